@@ -1,0 +1,69 @@
+"""The Drafter protocol: what the decode loop and the scheduler ask of any drafter.
+
+A drafter lives as long as the model; each request opens a session on it. Proposals are made
+for many sessions in one batched call and come back as lazy MLX arrays, so the draft forward,
+the target verify and the acceptance test are evaluated together with a single host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """What pairing validation needs to know about a target model."""
+
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+
+
+@dataclass
+class Candidates:
+    """Draft tokens for a batch of sessions: row b's first depths[b] entries are meaningful."""
+
+    tokens: mx.array  # [B, D] int32, D = max depth of the call
+    probs: mx.array  # [B, D] float32, the drafter's probability of each draft token
+    depths: list[int]
+
+
+class DraftSession(Protocol):
+    """Per-request drafter state."""
+
+    @property
+    def context_rows(self) -> int:
+        """Target positions already written into the drafter's context cache."""
+        ...
+
+    @property
+    def pending_rows(self) -> int:
+        """Committed target positions whose features wait to be written."""
+        ...
+
+
+class Drafter(Protocol):
+    block_size: int
+
+    @property
+    def max_depth(self) -> int:
+        """The most draft tokens one proposal can hold."""
+        ...
+
+    def open(self) -> DraftSession: ...
+
+    def commit(self, session: DraftSession, features: mx.array) -> None:
+        """Report committed target positions (features [n, F], in position order)."""
+        ...
+
+    def propose(
+        self, sessions: list[DraftSession], anchors: list[int], depths: list[int]
+    ) -> Candidates:
+        """One batched draft forward for `sessions` (all depths > 0). Lazy: no host sync."""
+        ...
+
+    def close(self, session: DraftSession) -> None: ...

@@ -1,0 +1,177 @@
+"""DFlash as a `Drafter`: a model-lifetime object with one context-cache row per session.
+
+Session rules (after Ollama's DFlash draft session):
+- committed target positions are *buffered* as pending feature rows; the next proposal writes
+  them into the context cache in the same forward as its block (lazy append), so rejected
+  drafts never reach the cache and there is nothing to roll back on the drafter side;
+- while a session is not drafting (depth 0), pending rows are flushed by a context-only
+  forward once `flush_cap` of them pile up, keeping the drafter level with the target;
+- invariant: ``context_rows + pending_rows == target cache length`` after every step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from drafters.base import Candidates
+from drafters.dflash.config import validate_pairing
+from drafters.dflash.model import DFlashDraftModel
+from engine.kv_cache import RaggedKVCache
+
+if TYPE_CHECKING:
+    from engine.target import TargetAdapter
+
+FLUSH_CAP = 256
+
+
+class DFlashSession:
+    """One request's draft state: its cache row and the feature rows not yet written."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        self._drafter = drafter
+        self.pending: list[mx.array] = []
+        self.pending_rows = 0
+
+    @property
+    def context_rows(self) -> int:
+        return self._drafter.cache[0].lengths[self._drafter.row_of(self)]
+
+
+class DFlashDrafter:
+    """Batched DFlash drafting for many sessions; see the module docstring."""
+
+    def __init__(
+        self, model: DFlashDraftModel, target: TargetAdapter, flush_cap: int = FLUSH_CAP
+    ) -> None:
+        config = model.config
+        validate_pairing(config, target.shape, model.fc.weight.shape[1])
+        if target.layer_ids != config.target_layer_ids:
+            raise ValueError(
+                f"target is tapped at {target.layer_ids}, drafter needs {config.target_layer_ids}"
+            )
+        self.model = model
+        self.target = target
+        self.config = config
+        self.block_size = config.block_size
+        self.mask_token_id = config.mask_token_id
+        self.flush_cap = flush_cap
+        self.cache: list[RaggedKVCache] = model.make_cache(0)
+        self._sessions: list[DFlashSession] = []  # in cache-row order
+        model.fuse_context_projections()
+
+    @property
+    def max_depth(self) -> int:
+        return self.block_size - 1
+
+    def row_of(self, session: DFlashSession) -> int:
+        return self._sessions.index(session)
+
+    # ----------------------------------------------------------------- lifecycle
+    def open(self) -> DFlashSession:
+        session = DFlashSession(self)
+        for layer_cache in self.cache:
+            layer_cache.extend(RaggedKVCache(1))
+        self._sessions.append(session)
+        return session
+
+    def close(self, session: DFlashSession) -> None:
+        keep = [i for i, s in enumerate(self._sessions) if s is not session]
+        for layer_cache in self.cache:
+            layer_cache.filter(keep)
+        self._sessions.remove(session)
+        session.pending.clear()
+        session.pending_rows = 0
+
+    def commit(self, session: DFlashSession, features: mx.array) -> None:
+        """Buffer feature rows [n, F] of newly committed target positions."""
+        if features.shape[0] == 0:
+            return
+        session.pending.append(features)
+        session.pending_rows += features.shape[0]
+        if session.pending_rows >= self.flush_cap:
+            self.flush([session])
+
+    def flush(self, sessions: list[DFlashSession]) -> None:
+        """Write the sessions' pending rows with a context-only forward (no block)."""
+        sessions = [s for s in sessions if s.pending_rows]
+        if not sessions:
+            return
+        rows = [self.row_of(s) for s in sessions]
+        cache = self._rows_view(rows)
+        features, counts = _take_pending(sessions)
+        self.model.append_context(features, counts, cache)
+        self._write_back(rows, cache)
+        # Evaluate now so the buffered features are released even if the session never drafts.
+        mx.async_eval([a for c in self.cache for a in c.state])
+
+    # ----------------------------------------------------------------- drafting
+    def propose(
+        self, sessions: list[DFlashSession], anchors: list[int], depths: list[int]
+    ) -> Candidates:
+        """Draft for `sessions`: block ``[anchor, MASK...]`` of the trained size, one forward."""
+        if not sessions:
+            raise ValueError("propose needs at least one session")
+        if any(not 0 < d <= self.max_depth for d in depths):
+            raise ValueError(f"depths {depths} must lie in [1, {self.max_depth}]")
+        rows = [self.row_of(s) for s in sessions]
+        cache = self._rows_view(rows)
+        features, counts = _take_pending(sessions)
+        block = [[anchor] + [self.mask_token_id] * (self.block_size - 1) for anchor in anchors]
+        hidden = self.model(self.target.embed(mx.array(block)), cache, features, counts)
+        self._write_back(rows, cache)
+        depth = max(depths)
+        # Only the rows that will be verified go through the (large) LM head.
+        logits = self.target.unembed(hidden[:, 1 : 1 + depth]).astype(mx.float32)
+        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        probs = mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))
+        return Candidates(tokens=tokens, probs=probs, depths=list(depths))
+
+    # ----------------------------------------------------------------- row subsets
+    def _rows_view(self, rows: list[int]) -> list[RaggedKVCache]:
+        """The cache itself when all rows take part, else a gathered copy of those rows."""
+        if rows == list(range(len(self._sessions))):
+            return self.cache
+        index = mx.array(rows, dtype=mx.int32)
+        view = []
+        for layer_cache in self.cache:
+            sub = RaggedKVCache(len(rows))
+            sub.lengths = [layer_cache.lengths[r] for r in rows]
+            if layer_cache.keys is not None:
+                sub.keys, sub.values = layer_cache.keys[index], layer_cache.values[index]
+            view.append(sub)
+        return view
+
+    def _write_back(self, rows: list[int], view: list[RaggedKVCache]) -> None:
+        if view is self.cache:
+            return
+        index = mx.array(rows, dtype=mx.int32)
+        for layer_cache, sub in zip(self.cache, view):
+            layer_cache._ensure_capacity(sub.keys.shape[2], sub.keys, sub.values)
+            sub._ensure_capacity(layer_cache.keys.shape[2], sub.keys, sub.values)
+            layer_cache.keys[index] = sub.keys
+            layer_cache.values[index] = sub.values
+            lengths = list(layer_cache.lengths)
+            for r, length in zip(rows, sub.lengths):
+                lengths[r] = length
+            layer_cache.lengths = lengths
+            layer_cache._offset = None
+
+
+def _take_pending(sessions: list[DFlashSession]) -> tuple[mx.array | None, list[int]]:
+    """Pending rows of each session, right-padded with zeros to one [B, S_max, F] array."""
+    counts = [s.pending_rows for s in sessions]
+    longest = max(counts)
+    if longest == 0:
+        return None, counts
+    sample = next(x for s in sessions for x in s.pending)
+    rows = []
+    for session in sessions:
+        parts = list(session.pending)
+        if session.pending_rows < longest:
+            parts.append(mx.zeros((longest - session.pending_rows, sample.shape[-1]), sample.dtype))
+        rows.append(mx.concatenate(parts, axis=0))
+        session.pending = []
+        session.pending_rows = 0
+    return mx.stack(rows), counts

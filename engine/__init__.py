@@ -1,0 +1,49 @@
+"""flashbatch's public API.
+
+Importing this package first preloads an optimized BLAS on Linux (see `engine.platform`), so
+import `engine` (or `drafters`) before `mlx`. The names below load lazily:
+
+- `SamplingParams` — how one request is decoded (temperature, top-p/k, min-p, seed, stops, ...).
+- `load_pair(target_path, drafter_path=None)` → `ModelPair` — an mlx-lm target, tapped for its
+  DFlash drafter, the drafter and the tokenizer; a bad pairing fails here with a clear message.
+- `generate(target, prompt_ids, params, drafter=..., tokenizer=...)` → `GenerationResult` — one
+  request, speculatively decoded (the single-request reference loop).
+- `TargetAdapter` — any mlx-lm model whose forward also returns tapped layer features.
+- `RaggedKVCache` — the batched KV cache with per-row lengths.
+- Errors: `FlashbatchError`, `InvalidRequest`, `EngineOverloaded`, `EngineClosed`.
+- `blas_status()` / `report_blas()` — which BLAS CPU matmuls use.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from engine import platform as _platform  # noqa: F401  (must run before mlx is imported)
+
+_EXPORTS = {
+    "SamplingParams": "engine.sampling",
+    "load_pair": "engine.loading",
+    "ModelPair": "engine.loading",
+    "generate": "engine.speculative",
+    "GenerationResult": "engine.speculative",
+    "StepStats": "engine.speculative",
+    "TargetAdapter": "engine.target",
+    "UnsupportedTargetError": "engine.target",
+    "RaggedKVCache": "engine.kv_cache",
+    "FlashbatchError": "engine.errors",
+    "InvalidRequest": "engine.errors",
+    "EngineOverloaded": "engine.errors",
+    "EngineClosed": "engine.errors",
+    "blas_status": "engine.platform",
+    "report_blas": "engine.platform",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(import_module(module), name)

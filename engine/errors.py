@@ -1,0 +1,23 @@
+"""Typed errors the engine raises to its callers (the HTTP layer maps them to status codes)."""
+
+from __future__ import annotations
+
+
+class FlashbatchError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidRequest(FlashbatchError, ValueError):
+    """The request cannot be served as given (bad parameter, prompt too long, ...)."""
+
+
+class EngineOverloaded(FlashbatchError):
+    """The waiting queue is full; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineClosed(FlashbatchError):
+    """The engine is shutting down or closed and accepts no new requests."""

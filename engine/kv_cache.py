@@ -1,0 +1,197 @@
+"""A batched KV cache whose rows have their own lengths (one instance per attention layer).
+
+Rows are right-padded: row ``b`` holds its tokens at ``[0, lengths[b])`` and the space after
+is free. New tokens are written at each row's own offset, so rows can be rolled back by
+different amounts in O(1) (only the lengths change). It speaks mlx-lm's cache protocol
+(`offset`, `update_and_fetch`, `make_mask`, `trim`, `state`), so stock mlx-lm model code runs
+on it unchanged: RoPE already accepts a per-row offset vector.
+
+Host-side lengths are the source of truth (the engine knows every row's length without a
+device sync); the `offset` array is rebuilt from them lazily.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class RaggedKVCache:
+    """Per-layer KV cache with per-row lengths; see the module docstring."""
+
+    step = 256  # capacity grows in chunks of this many positions
+
+    def __init__(self, batch_size: int = 1) -> None:
+        self.keys: mx.array | None = None  # [B, H, capacity, D]
+        self.values: mx.array | None = None
+        self.lengths: list[int] = [0] * batch_size
+        self._offset: mx.array | None = None
+
+    # ----------------------------------------------------------------- mlx-lm protocol
+    @property
+    def offset(self) -> mx.array:
+        """Per-row lengths as an int32 array of shape [B] (what RoPE and masks need)."""
+        if self._offset is None:
+            self._offset = mx.array(self.lengths, dtype=mx.int32)
+        return self._offset
+
+    def __bool__(self) -> bool:  # mlx-lm tests `if cache` before calling make_mask
+        return True
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append N positions to every row at its own offset; return the valid key span."""
+        self.write(keys, values)
+        return self.fetch()
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array | str | None:
+        """Mask for N new queries per row, from the lengths *before* this step's write.
+
+        Query i of row b may see key j iff ``j <= lengths[b] + i`` (and within the window).
+        """
+        uniform = len(set(self.lengths)) <= 1
+        if uniform and window_size is None and not return_array:
+            return None if N == 1 else "causal"
+        start = max(self.lengths) if self.lengths else 0
+        key_pos = mx.arange(start + N)[None, None, None, :]
+        query_pos = self.offset[:, None, None, None] + mx.arange(N)[None, None, :, None]
+        mask = key_pos <= query_pos
+        if window_size is not None:
+            mask = mask & (key_pos > query_pos - window_size)
+        return mask
+
+    def trim(self, n: int) -> int:
+        """Roll every row back by n positions (mlx-lm protocol)."""
+        n = min(n, min(self.lengths) if self.lengths else 0)
+        self.trim_rows([n] * len(self.lengths))
+        return n
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    @property
+    def state(self) -> tuple[mx.array | None, mx.array | None]:
+        return self.keys, self.values
+
+    # ----------------------------------------------------------------- ragged operations
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def write(self, keys: mx.array, values: mx.array, counts: list[int] | None = None) -> None:
+        """Write ``keys``/``values`` ([B, H, N, D]) at each row's offset.
+
+        Row b advances by ``counts[b]`` (default N): rows padded to a common N keep only
+        their real positions; the padding lands in free space and is overwritten later.
+        """
+        B, H, N, D = keys.shape
+        if B != self.batch_size:
+            raise ValueError(f"cache has {self.batch_size} rows, got a write for {B}")
+        counts = [N] * B if counts is None else counts
+        if any(c < 0 or c > N for c in counts):
+            raise ValueError(f"per-row counts {counts} must lie in [0, {N}]")
+        self._ensure_capacity(max(self.lengths) + N, keys, values)
+        if len(set(self.lengths)) == 1:
+            start = self.lengths[0]
+            self.keys[..., start : start + N, :] = keys
+            self.values[..., start : start + N, :] = values
+        else:
+            positions = self.offset[:, None] + mx.arange(N)[None, :]  # [B, N]
+            index = mx.broadcast_to(positions[:, None, :, None], (B, H, N, D))
+            self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, index, values, axis=2)
+        self.lengths = [length + c for length, c in zip(self.lengths, counts)]
+        self._offset = None
+
+    def fetch(self) -> tuple[mx.array, mx.array]:
+        """Keys and values up to the longest row (shorter rows are masked by the caller)."""
+        end = max(self.lengths) if self.lengths else 0
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def trim_rows(self, counts: list[int]) -> None:
+        """Roll row b back by ``counts[b]`` positions. O(1): no data moves."""
+        if len(counts) != self.batch_size:
+            raise ValueError(f"need {self.batch_size} trim counts, got {len(counts)}")
+        if any(c < 0 or c > length for c, length in zip(counts, self.lengths)):
+            raise ValueError(f"cannot trim {counts} from rows of lengths {self.lengths}")
+        if any(counts):
+            self.lengths = [length - c for length, c in zip(self.lengths, counts)]
+            self._offset = None
+
+    def filter(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in that order): a request left the batch. Copies the cache."""
+        self.lengths = [self.lengths[r] for r in rows]
+        self._offset = None
+        if self.keys is not None:
+            if not rows:
+                self.keys = self.values = None
+                return
+            index = mx.array(rows, dtype=mx.int32)
+            end = self._shrunk_capacity()
+            self.keys = self.keys[index, :, :end, :]
+            self.values = self.values[index, :, :end, :]
+
+    def extend(self, other: RaggedKVCache) -> None:
+        """Append the rows of ``other`` (requests joined the batch). Copies both caches."""
+        if other.keys is None:
+            self.lengths = self.lengths + other.lengths
+            if self.keys is not None and other.batch_size:
+                self._pad_rows(other.batch_size)
+            self._offset = None
+            return
+        if self.keys is None:
+            if self.batch_size:
+                self.keys = mx.zeros((self.batch_size, *other.keys.shape[1:]), other.keys.dtype)
+                self.values = mx.zeros(
+                    (self.batch_size, *other.values.shape[1:]), other.values.dtype
+                )
+            else:
+                self.keys, self.values = other.keys, other.values
+                self.lengths = list(other.lengths)
+                self._offset = None
+                return
+        cap = max(self.keys.shape[2], other.keys.shape[2])
+        mine_k, mine_v = _pad_capacity(self.keys, cap), _pad_capacity(self.values, cap)
+        theirs_k, theirs_v = _pad_capacity(other.keys, cap), _pad_capacity(other.values, cap)
+        self.keys = mx.concatenate([mine_k, theirs_k], axis=0)
+        self.values = mx.concatenate([mine_v, theirs_v], axis=0)
+        self.lengths = self.lengths + other.lengths
+        self._offset = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the key and value buffers (allocated capacity)."""
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+    # ----------------------------------------------------------------- internals
+    def _ensure_capacity(self, needed: int, keys: mx.array, values: mx.array) -> None:
+        if self.keys is not None and self.keys.shape[2] >= needed:
+            return
+        B, H = self.batch_size, keys.shape[1]
+        capacity = ((needed + self.step - 1) // self.step) * self.step
+        if self.keys is None:
+            self.keys = mx.zeros((B, H, capacity, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((B, H, capacity, values.shape[3]), values.dtype)
+        else:
+            self.keys = _pad_capacity(self.keys, capacity)
+            self.values = _pad_capacity(self.values, capacity)
+
+    def _shrunk_capacity(self) -> int:
+        longest = max(self.lengths) if self.lengths else 0
+        return max(self.step, ((longest + self.step - 1) // self.step) * self.step)
+
+    def _pad_rows(self, n: int) -> None:
+        pad_k = mx.zeros((n, *self.keys.shape[1:]), self.keys.dtype)
+        pad_v = mx.zeros((n, *self.values.shape[1:]), self.values.dtype)
+        self.keys = mx.concatenate([self.keys, pad_k], axis=0)
+        self.values = mx.concatenate([self.values, pad_v], axis=0)
+
+
+def _pad_capacity(x: mx.array, capacity: int) -> mx.array:
+    extra = capacity - x.shape[2]
+    if extra <= 0:
+        return x
+    pad = mx.zeros((x.shape[0], x.shape[1], extra, x.shape[3]), x.dtype)
+    return mx.concatenate([x, pad], axis=2)

@@ -1,0 +1,55 @@
+"""Loading a target (mlx-lm format) and, optionally, a DFlash drafter paired with it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.nn as nn
+
+from drafters.dflash.checkpoint import load_dflash_model, read_config
+from drafters.dflash.config import validate_pairing
+from drafters.dflash.drafter import DFlashDrafter
+from engine.platform import compute_dtype
+from engine.target import TargetAdapter, target_shape
+
+
+@dataclass
+class ModelPair:
+    """A loaded target (tapped for its drafter), the drafter if any, and the tokenizer."""
+
+    target: TargetAdapter
+    drafter: DFlashDrafter | None
+    tokenizer: Any
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(getattr(self.tokenizer, "eos_token_ids", None) or [])
+
+
+def load_target_model(path: str | Path) -> tuple[nn.Module, Any]:
+    """An mlx-lm model and tokenizer from a local directory, cast to the compute dtype."""
+    from mlx_lm import load
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no mlx-lm model at {path} (config.json missing)")
+    model, tokenizer = load(str(path))
+    dtype = compute_dtype()
+    if dtype is not None:
+        model.set_dtype(dtype)
+    return model, tokenizer
+
+
+def load_pair(target_path: str | Path, drafter_path: str | Path | None = None) -> ModelPair:
+    """Load a target and (optionally) its DFlash drafter; a bad pairing fails here, clearly."""
+    model, tokenizer = load_target_model(target_path)
+    if drafter_path is None:
+        return ModelPair(TargetAdapter(model, []), None, tokenizer)
+    config = read_config(drafter_path)
+    fc_width = len(config.target_layer_ids) * config.hidden_size
+    validate_pairing(config, target_shape(model), fc_width)
+    target = TargetAdapter(model, config.target_layer_ids)
+    draft_model = load_dflash_model(drafter_path, dtype=target.dtype)
+    return ModelPair(target, DFlashDrafter(draft_model, target), tokenizer)

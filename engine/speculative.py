@@ -1,0 +1,158 @@
+"""Single-request speculative generation: the readable reference loop (and the oracle the
+batched engine is tested against).
+
+    prefill (with taps) -> first token
+    loop: draft a block -> verify [anchor, drafts] in one target forward -> accept the longest
+          prefix where draft == the target's own sample, plus one bonus token -> trim the
+          target cache -> queue the committed rows' features as the drafter's next context
+
+Verification samples every row with the request's own sampler, so the output is exactly plain
+decoding's (greedy) or exactly distributed as plain sampling (sample-and-match = rejection
+sampling with a point-mass draft). Depth 0 (no drafter, or `num_speculative_tokens=0`) is
+plain decoding through the same loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import trim_prompt_cache
+
+from drafters.base import Drafter, DraftSession
+from engine.errors import InvalidRequest
+from engine.sampling import SamplingParams, request_key, sample
+from engine.stopping import StopChecker
+from engine.target import TargetAdapter
+
+
+@dataclass
+class StepStats:
+    """One verify step: draft tokens offered, accepted, tokens committed (accepted + bonus)."""
+
+    drafted: int
+    accepted: int
+    committed: int
+
+
+@dataclass
+class StepState:
+    """Bookkeeping after a step, for invariant checks and tracing."""
+
+    committed: int  # prompt + generated tokens
+    target_cache_length: int
+    draft_context_rows: int
+    draft_pending_rows: int
+
+
+@dataclass
+class GenerationResult:
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    steps: list[StepStats] = field(default_factory=list)
+
+    @property
+    def drafted(self) -> int:
+        return sum(s.drafted for s in self.steps)
+
+    @property
+    def accepted(self) -> int:
+        return sum(s.accepted for s in self.steps)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify step (bonus included)."""
+        return sum(s.committed for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+
+def generate(
+    target: TargetAdapter,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    drafter: Drafter | None = None,
+    tokenizer: Any | None = None,
+    eos_token_ids: set[int] | None = None,
+    prefill_chunk: int = 256,
+    on_step: Callable[[StepState], None] | None = None,
+) -> GenerationResult:
+    """Generate one completion, speculatively when a drafter is given (see module docstring)."""
+    params.validate(target.vocab_size)
+    if not prompt_ids:
+        raise InvalidRequest("prompt must contain at least one token")
+    if eos_token_ids is None:
+        eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    stop = StopChecker(params, eos_token_ids, tokenizer if (tokenizer is not None) else None)
+    depth_cap = drafter.max_depth if drafter is not None else 0
+    if params.num_speculative_tokens is not None:
+        depth_cap = min(depth_cap, params.num_speculative_tokens)
+
+    cache = target.make_cache()
+    session: DraftSession | None = drafter.open() if drafter is not None else None
+    key = None if params.greedy else request_key(params.seed)
+    steps: list[StepStats] = []
+
+    def state() -> StepState:
+        return StepState(
+            committed=len(prompt_ids) + len(stop.token_ids),
+            target_cache_length=int(cache[0].offset),
+            draft_context_rows=session.context_rows if session is not None else 0,
+            draft_pending_rows=session.pending_rows if session is not None else 0,
+        )
+
+    try:
+        prompt = mx.array(prompt_ids, dtype=mx.int32)[None]
+        for start in range(0, prompt.shape[1], prefill_chunk):
+            logits, features = target(prompt[:, start : start + prefill_chunk], cache)
+            if session is not None:
+                drafter.commit(session, features[0])
+            mx.eval(logits[:, -1], [c.state for c in cache])
+        if key is not None:
+            key, subkey = mx.random.split(key)
+        token = sample(logits[:, -1], params, None if key is None else subkey).item()
+        stop.add([token])
+        if on_step:
+            on_step(state())
+
+        while not stop.finished:
+            remaining = params.max_tokens - len(stop.token_ids)
+            depth = max(0, min(depth_cap, remaining - 1))
+            verify_ids = mx.array([token], dtype=mx.int32)
+            if depth > 0:
+                drafts = drafter.propose([session], [token], [depth]).tokens[0, :depth]
+                verify_ids = mx.concatenate([verify_ids, drafts])
+            logits, features = target(verify_ids[None], cache)
+            if key is not None:
+                key, subkey = mx.random.split(key)
+            target_tokens = sample(logits[0], params, None if key is None else subkey)
+            if depth > 0:
+                matches = (drafts == target_tokens[:depth]).astype(mx.int32)
+                accepted_len = mx.cumprod(matches).sum()
+            else:
+                accepted_len = mx.array(0)
+            mx.eval(target_tokens, accepted_len)  # the step's one host sync
+            accepted = int(accepted_len.item())
+            committed = target_tokens[: accepted + 1].tolist()
+            trim_prompt_cache(cache, depth - accepted)
+            if session is not None:
+                drafter.commit(session, features[0, : accepted + 1])
+            steps.append(StepStats(drafted=depth, accepted=accepted, committed=accepted + 1))
+            stop.add(committed)
+            token = committed[-1]
+            if on_step:
+                on_step(state())
+    finally:
+        if session is not None:
+            drafter.close(session)
+
+    return GenerationResult(
+        prompt_tokens=len(prompt_ids),
+        token_ids=list(stop.token_ids),
+        text=stop.text,
+        finish_reason=stop.finish_reason or "length",
+        steps=steps,
+    )

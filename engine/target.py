@@ -1,0 +1,175 @@
+"""Target adapter: one ordinary mlx-lm forward that also returns tapped layer outputs.
+
+The decoder layers named by the drafter's ``target_layer_ids`` are given a subclass of their own
+class whose ``__call__`` records the output. Parameter paths, weights and the stock model code
+stay exactly as they were, so `model(tokens, cache=...)` works for any mlx-lm model whose
+decoder layers are a list; the adapter returns ``(logits, features)`` with
+``features = concat(tapped outputs, axis=-1)`` of shape ``[B, L, K*d]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from drafters.base import TargetShape
+
+
+class UnsupportedTargetError(ValueError):
+    """The target model's structure cannot be tapped."""
+
+
+class _FeatureStore:
+    """Holds tapped outputs during one adapter forward (outside the module tree)."""
+
+    def __init__(self, n_taps: int) -> None:
+        self.armed = False
+        self.outputs: list[mx.array | None] = [None] * n_taps
+
+    def record(self, slot: int, value: mx.array) -> None:
+        if self.armed:
+            self.outputs[slot] = value
+
+
+_tapped_classes: dict[type, type] = {}
+
+
+def _tapped_class(cls: type) -> type:
+    """A subclass of a decoder-layer class whose call also records its output."""
+    if cls not in _tapped_classes:
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            out = cls.__call__(self, *args, **kwargs)
+            self._flashbatch_store.record(self._flashbatch_slot, out)
+            return out
+
+        _tapped_classes[cls] = type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__})
+    return _tapped_classes[cls]
+
+
+def _inner_model(model: nn.Module) -> nn.Module | None:
+    """The module holding `embed_tokens` and `layers` (text models and VLM wrappers)."""
+    for path in ("model", "language_model.model", "model.language_model"):
+        node: Any = model
+        for part in path.split("."):
+            node = getattr(node, part, None) if node is not None else None
+        if node is not None and isinstance(getattr(node, "layers", None), list):
+            return node
+    return None
+
+
+def _model_type(model: nn.Module) -> str:
+    return str(getattr(getattr(model, "args", None), "model_type", type(model).__name__))
+
+
+def _checked_inner(model: nn.Module) -> nn.Module:
+    inner = _inner_model(model)
+    if inner is None or not hasattr(inner, "embed_tokens"):
+        raise UnsupportedTargetError(
+            f"cannot tap model type {_model_type(model)!r}: no list of decoder layers with an "
+            "embed_tokens table found under .model (supported: llama, qwen3, qwen2, mistral "
+            "and other mlx-lm models with model.layers)"
+        )
+    return inner
+
+
+def target_shape(model: nn.Module) -> TargetShape:
+    """Hidden size, layer count and vocabulary of an (untapped) mlx-lm model."""
+    inner = _checked_inner(model)
+    rows, width = inner.embed_tokens.weight.shape
+    return TargetShape(_model_type(model), int(width), len(inner.layers), int(rows))
+
+
+class TargetAdapter:
+    """An mlx-lm target model with tapped layers, embedding and LM head access.
+
+    With no layer ids it is a plain model (features come back as None).
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
+        self.model = model
+        self.model_type = _model_type(model)
+        inner = _checked_inner(model)
+        self._inner = inner
+        self.layers: list[nn.Module] = inner.layers
+        bad = [i for i in layer_ids if not 0 <= i < len(self.layers)]
+        if bad:
+            raise UnsupportedTargetError(
+                f"cannot tap layers {bad}: model type {self.model_type!r} has "
+                f"{len(self.layers)} decoder layers"
+            )
+        self.layer_ids = list(layer_ids)
+        self._store = _FeatureStore(len(layer_ids))
+        for slot, index in enumerate(layer_ids):
+            layer = self.layers[index]
+            if getattr(layer, "_flashbatch_store", None) is not None:
+                raise UnsupportedTargetError(f"layer {index} is already tapped by another adapter")
+            layer.__class__ = _tapped_class(type(layer))
+            layer._flashbatch_store = self._store
+            layer._flashbatch_slot = slot
+
+    # ----------------------------------------------------------------- facts
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self._inner.embed_tokens.weight.shape[1])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._inner.embed_tokens.weight.shape[0])
+
+    @property
+    def shape(self) -> TargetShape:
+        return target_shape(self.model)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self._inner.embed_tokens.weight.dtype
+
+    # ----------------------------------------------------------------- compute
+    def __call__(
+        self, tokens: mx.array, cache: list[Any] | None = None
+    ) -> tuple[mx.array, mx.array | None]:
+        """Forward `tokens` [B, L]; return logits [B, L, V] and features [B, L, K*d]."""
+        if not self.layer_ids:
+            return self.model(tokens, cache=cache), None
+        store = self._store
+        store.armed = True
+        try:
+            logits = self.model(tokens, cache=cache)
+        finally:
+            store.armed = False
+        outputs = store.outputs
+        store.outputs = [None] * len(outputs)
+        if any(o is None for o in outputs):
+            raise UnsupportedTargetError(
+                f"model type {self.model_type!r} did not call its tapped layers in the forward"
+            )
+        if not all(isinstance(o, mx.array) for o in outputs):
+            raise UnsupportedTargetError(
+                f"model type {self.model_type!r}: decoder layers return "
+                f"{type(outputs[0]).__name__}, not an array of hidden states"
+            )
+        features = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=-1)
+        return logits, features
+
+    def embed(self, ids: mx.array) -> mx.array:
+        """Raw token embeddings (no model-specific scaling)."""
+        return self._inner.embed_tokens(ids)
+
+    def unembed(self, hidden: mx.array) -> mx.array:
+        """The target's LM head applied to already-normed hidden states (tied or not)."""
+        head = getattr(self.model, "lm_head", None)
+        if head is not None:
+            return head(hidden)
+        return self._inner.embed_tokens.as_linear(hidden)
+
+    def make_cache(self) -> list[Any]:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)

@@ -1,0 +1,222 @@
+"""The single-request speculative loop: lossless, invariant-keeping, stopping at the right token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from drafters.base import Candidates
+from engine import SamplingParams, TargetAdapter, generate, load_pair
+from engine.speculative import StepState
+
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "import os\n",
+    "class Config:\n    \"\"\"Settings for the",
+    "x",
+]
+
+
+def plain_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    """Reference: mlx-lm's own greedy decoding of the same prompt."""
+    steps = generate_step(
+        mx.array(prompt_ids), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
+    )
+    return [int(token) for token, _ in steps]
+
+
+@dataclass
+class _ScriptedSession:
+    context_rows: int = 0
+    pending_rows: int = 0
+
+
+@dataclass
+class ScriptedDrafter:
+    """A fake drafter that knows the target's greedy continuation and proposes it, spoiled at
+    scripted positions, so partial, full and zero acceptance all occur. Implements the
+    `Drafter` protocol, including the context bookkeeping the loop must drive correctly."""
+
+    reference: list[int]  # prompt + greedy continuation
+    vocab_size: int
+    correct_per_step: list[int]  # how many leading drafts are right, cycled
+    block_size: int = 8
+    calls: list[int] = field(default_factory=list)
+
+    @property
+    def max_depth(self) -> int:
+        return self.block_size - 1
+
+    def open(self) -> _ScriptedSession:
+        return _ScriptedSession()
+
+    def commit(self, session: _ScriptedSession, features: mx.array) -> None:
+        session.pending_rows += features.shape[0]
+
+    def propose(self, sessions, anchors, depths) -> Candidates:
+        (session,), (anchor,), (depth,) = sessions, anchors, depths
+        position = session.context_rows + session.pending_rows  # the anchor's position
+        assert self.reference[position] == anchor, "anchor must be the last committed token"
+        session.context_rows += session.pending_rows
+        session.pending_rows = 0
+        right = self.correct_per_step[len(self.calls) % len(self.correct_per_step)]
+        self.calls.append(depth)
+        drafts = []
+        for j in range(1, depth + 1):
+            truth = self.reference[position + j] if position + j < len(self.reference) else 0
+            drafts.append(truth if j <= right else (truth + 1) % self.vocab_size)
+        tokens = mx.array([drafts], dtype=mx.int32)
+        return Candidates(tokens=tokens, probs=mx.ones(tokens.shape), depths=[depth])
+
+    def close(self, session: _ScriptedSession) -> None:
+        pass
+
+
+def load_tapped(target_dir):
+    """A target without a real drafter, tapped at one layer so the loop has features to report."""
+    pair = load_pair(target_dir)
+    pair.target = TargetAdapter(pair.target.model, [1])
+    return pair
+
+
+def check_invariants(states: list[StepState], finished_early: bool = False) -> None:
+    checked = states[:-1] if finished_early else states
+    for s in checked:
+        assert s.target_cache_length == s.committed - 1
+        assert s.draft_context_rows + s.draft_pending_rows == s.target_cache_length
+
+
+@pytest.mark.parametrize("depth", [None, 3, 1, 0])
+def test_dflash_greedy_equals_plain_greedy(target_dir, drafter_dir, depth):
+    pair = load_pair(target_dir, drafter_dir)
+    for prompt in PROMPTS:
+        ids = pair.tokenizer.encode(prompt)
+        reference = plain_greedy(pair.target.model, ids, 48)
+        states: list[StepState] = []
+        params = SamplingParams(max_tokens=48, ignore_eos=True, num_speculative_tokens=depth)
+        result = generate(
+            pair.target, ids, params, drafter=pair.drafter, tokenizer=pair.tokenizer,
+            on_step=states.append,
+        )  # fmt: skip
+        assert result.token_ids == reference, prompt
+        check_invariants(states)
+        expected_depth = pair.drafter.max_depth if depth is None else depth
+        assert max(s.drafted for s in result.steps) == min(expected_depth, 47)
+
+
+@pytest.mark.parametrize("script", [[7], [0], [2, 5, 0, 7, 1], [3]])
+def test_scripted_acceptance_is_lossless_and_counted(qwen3_target_dir, vocab_size, script):
+    pair = load_tapped(qwen3_target_dir)
+    ids = pair.tokenizer.encode(PROMPTS[0])
+    reference = plain_greedy(pair.target.model, ids, 60)
+    drafter = ScriptedDrafter(ids + reference, vocab_size, script)
+    states: list[StepState] = []
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    result = generate(pair.target, ids, params, drafter=drafter, on_step=states.append)
+    assert result.token_ids == reference
+    check_invariants(states)
+    for step, depth, right in zip(result.steps, drafter.calls, script * 100):
+        assert step.drafted == depth
+        assert step.accepted == min(right, depth)
+        assert step.committed == step.accepted + 1
+    if script == [7]:
+        assert result.tau > 6.0  # full blocks: 7 drafts + bonus per step
+
+
+def test_max_tokens_inside_a_block(qwen3_target_dir, vocab_size):
+    pair = load_tapped(qwen3_target_dir)
+    ids = pair.tokenizer.encode(PROMPTS[1])
+    reference = plain_greedy(pair.target.model, ids, 30)
+    for max_tokens in (1, 2, 5, 9, 17):
+        drafter = ScriptedDrafter(ids + reference, vocab_size, [7])
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        result = generate(pair.target, ids, params, drafter=drafter)
+        assert result.token_ids == reference[:max_tokens]
+        assert result.finish_reason == "length"
+        # the draft never runs past the budget: drafted + bonus fits what was left
+        assert sum(s.committed for s in result.steps) + 1 == max_tokens
+
+
+def test_stop_token_inside_a_block(qwen3_target_dir, vocab_size):
+    pair = load_tapped(qwen3_target_dir)
+    ids = pair.tokenizer.encode(PROMPTS[0])
+    reference = plain_greedy(pair.target.model, ids, 40)
+    stop_at = 5  # a token deep inside the first full block
+    stop_token = reference[stop_at]
+    first = reference.index(stop_token)
+    drafter = ScriptedDrafter(ids + reference, vocab_size, [7])
+    params = SamplingParams(max_tokens=40, stop_token_ids=[stop_token])
+    result = generate(pair.target, ids, params, drafter=drafter, tokenizer=pair.tokenizer)
+    assert result.token_ids == reference[: first + 1]
+    assert result.finish_reason == "stop"
+    assert result.text == pair.tokenizer.decode(reference[:first])
+
+
+def test_eos_inside_a_block_stops_unless_ignored(qwen3_target_dir, vocab_size):
+    pair = load_tapped(qwen3_target_dir)
+    ids = pair.tokenizer.encode(PROMPTS[2])
+    reference = plain_greedy(pair.target.model, ids, 40)
+    eos = reference[6]
+    first = reference.index(eos)
+    drafter = ScriptedDrafter(ids + reference, vocab_size, [7])
+    stopped = generate(
+        pair.target, ids, SamplingParams(max_tokens=40), drafter=drafter, eos_token_ids={eos}
+    )
+    assert stopped.token_ids == reference[: first + 1] and stopped.finish_reason == "stop"
+    drafter = ScriptedDrafter(ids + reference, vocab_size, [7])
+    ignored = generate(
+        pair.target, ids, SamplingParams(max_tokens=40, ignore_eos=True), drafter=drafter,
+        eos_token_ids={eos},
+    )  # fmt: skip
+    assert ignored.token_ids == reference and ignored.finish_reason == "length"
+
+
+def test_stop_string_inside_a_block(qwen3_target_dir, vocab_size):
+    pair = load_tapped(qwen3_target_dir)
+    tok = pair.tokenizer
+    ids = tok.encode(PROMPTS[0])
+    reference = plain_greedy(pair.target.model, ids, 40)
+    full_text = tok.decode(reference)
+    stop = full_text[8:11]
+    assert stop and stop in full_text
+    cut = full_text.index(stop)
+    drafter = ScriptedDrafter(ids + reference, vocab_size, [7])
+    params = SamplingParams(max_tokens=40, stop=[stop], ignore_eos=True)
+    result = generate(pair.target, ids, params, drafter=drafter, tokenizer=tok)
+    assert result.finish_reason == "stop"
+    assert result.text == full_text[:cut]
+    # output ends at the token that completed the stop string
+    assert result.token_ids == reference[: len(result.token_ids)]
+    assert stop in tok.decode(result.token_ids)
+    assert stop not in tok.decode(result.token_ids[:-1])
+
+
+def test_seeded_sampling_is_reproducible(qwen3_target_dir, drafter_dir):
+    pair = load_pair(qwen3_target_dir, drafter_dir)
+    ids = pair.tokenizer.encode(PROMPTS[0])
+
+    def run(seed: int) -> list[int]:
+        params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True)
+        return generate(pair.target, ids, params, drafter=pair.drafter).token_ids
+
+    first, again, other = run(7), run(7), run(8)
+    assert first == again
+    assert first != other
+
+
+def test_sampled_speculation_with_full_acceptance_matches_plain_sampling_per_step(
+    qwen3_target_dir, vocab_size
+):
+    """Sample-and-match: with top_k=1 sampling is deterministic, so a scripted drafter's output
+    must equal the plain (drafter-less) sampled output token for token."""
+    pair = load_tapped(qwen3_target_dir)
+    ids = pair.tokenizer.encode(PROMPTS[3])
+    params = SamplingParams(max_tokens=30, temperature=0.7, top_k=1, seed=1, ignore_eos=True)
+    plain = generate(pair.target, ids, params).token_ids
+    drafter = ScriptedDrafter(ids + plain, vocab_size, [4, 0, 7])
+    speculative = generate(pair.target, ids, params, drafter=drafter)
+    assert speculative.token_ids == plain
+    assert speculative.accepted > 0

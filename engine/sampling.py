@@ -83,6 +83,8 @@ def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     if params.min_p > 0.0:
         floor = logprobs.max(axis=-1, keepdims=True) + math.log(params.min_p)
         logprobs = mx.where(logprobs < floor, -mx.inf, logprobs)
+    if 0 < params.top_k < vocab or params.top_p < 1.0 or params.min_p > 0.0:
+        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     return logprobs
 
 

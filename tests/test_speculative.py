@@ -44,6 +44,7 @@ class ScriptedDrafter:
     vocab_size: int
     correct_per_step: list[int]  # how many leading drafts are right, cycled
     block_size: int = 8
+    strict: bool = True  # sampled runs leave the reference path; then drafts are just guesses
     calls: list[int] = field(default_factory=list)
 
     @property
@@ -59,7 +60,8 @@ class ScriptedDrafter:
     def propose(self, sessions, anchors, depths) -> Candidates:
         (session,), (anchor,), (depth,) = sessions, anchors, depths
         position = session.context_rows + session.pending_rows  # the anchor's position
-        assert self.reference[position] == anchor, "anchor must be the last committed token"
+        if self.strict:
+            assert self.reference[position] == anchor, "anchor must be the last committed token"
         session.context_rows += session.pending_rows
         session.pending_rows = 0
         right = self.correct_per_step[len(self.calls) % len(self.correct_per_step)]
@@ -220,3 +222,44 @@ def test_sampled_speculation_with_full_acceptance_matches_plain_sampling_per_ste
     speculative = generate(pair.target, ids, params, drafter=drafter)
     assert speculative.token_ids == plain
     assert speculative.accepted > 0
+
+
+# chi-square critical values at alpha = 0.001 by degrees of freedom
+_CHI2_CRITICAL = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26]
+
+
+def _chi_square_two_sample(a: list[int], b: list[int]) -> tuple[float, int]:
+    categories = sorted(set(a) | set(b))
+    statistic = 0.0
+    for c in categories:
+        na, nb = a.count(c), b.count(c)
+        expected = (na + nb) / 2
+        statistic += (na - expected) ** 2 / expected + (nb - expected) ** 2 / expected
+    return statistic, len(categories) - 1
+
+
+def test_sampled_speculation_follows_the_target_distribution(qwen3_target_dir, vocab_size):
+    """Chi-square: tokens 2-4 of seeded speculative runs (drafts often accepted, often not)
+    are distributed like plain sampling's."""
+    pair = load_tapped(qwen3_target_dir)
+    ids = pair.tokenizer.encode(PROMPTS[3])
+    greedy_path = plain_greedy(pair.target.model, ids, 6)
+    params = dict(max_tokens=4, temperature=1.0, top_k=2, ignore_eos=True)
+    runs = 300
+    plain, speculative = [], []
+    accepted = 0
+    for seed in range(runs):
+        p = SamplingParams(seed=seed, **params)
+        plain.append(generate(pair.target, ids, p).token_ids)
+        drafter = ScriptedDrafter(ids + greedy_path, vocab_size, [7], strict=False)
+        p = SamplingParams(seed=10_000 + seed, **params)
+        result = generate(pair.target, ids, p, drafter=drafter)
+        speculative.append(result.token_ids)
+        accepted += result.accepted
+    assert accepted > runs // 4  # the accept path is really exercised
+    for position in (1, 2, 3):
+        statistic, dof = _chi_square_two_sample(
+            [r[position] for r in plain], [r[position] for r in speculative]
+        )
+        assert dof >= 1
+        assert statistic < _CHI2_CRITICAL[min(dof, len(_CHI2_CRITICAL)) - 1], (position, statistic)

@@ -1,0 +1,112 @@
+"""The DFlash draft model and drafter: batching is exact, caches hold context rows only."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from drafters.dflash import load_dflash_model
+from engine import load_pair
+
+ATOL = 2e-5
+
+
+@pytest.fixture
+def model(drafter_dir):
+    return load_dflash_model(drafter_dir)
+
+
+def _run_steps(model, contexts: list[mx.array], blocks: list[mx.array], fused: bool):
+    """Feed rows' contexts (ragged) then blocks as one batch; two steps to exercise appends."""
+    if fused:
+        model.fuse_context_projections()
+    cache = model.make_cache(len(contexts))
+    outputs = []
+    for step in range(2):
+        counts = [c[step].shape[0] for c in contexts]
+        width = contexts[0][step].shape[-1]
+        longest = max(counts)
+        padded = mx.stack(
+            [mx.concatenate([c[step], mx.zeros((longest - c[step].shape[0], width))]) for c in contexts]
+        )
+        block = mx.stack([b[step] for b in blocks])
+        outputs.append(model(block, cache, padded, counts))
+    return outputs, cache
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_batch_of_two_ragged_rows_equals_two_single_rows(model, fused):
+    mx.random.seed(0)
+    # row 0: 7 then 2 context rows; row 1: 3 then 5 (different lengths at every step)
+    contexts = [
+        [mx.random.normal((7, 128)), mx.random.normal((2, 128))],
+        [mx.random.normal((3, 128)), mx.random.normal((5, 128))],
+    ]
+    blocks = [[mx.random.normal((8, 64)) for _ in range(2)] for _ in range(2)]
+    batched, cache = _run_steps(model, contexts, blocks, fused)
+    assert cache[0].lengths == [9, 8]
+    for row in range(2):
+        single, _ = _run_steps(model, [contexts[row]], [blocks[row]], fused)
+        for step in range(2):
+            assert mx.allclose(batched[step][row], single[step][0], atol=ATOL), (row, step)
+
+
+def test_fused_context_projection_equals_per_layer(model):
+    mx.random.seed(1)
+    feats = mx.random.normal((2, 6, 128))
+    plain = model.context_kv(model.project_context(feats), mx.array([0, 4]))
+    model.fuse_context_projections()
+    fused = model.context_kv(model.project_context(feats), mx.array([0, 4]))
+    for (k1, v1), (k2, v2) in zip(plain, fused):
+        assert mx.allclose(k1, k2, atol=ATOL) and mx.allclose(v1, v2, atol=ATOL)
+
+
+def test_proposing_for_a_subset_equals_proposing_alone(qwen3_target_dir, drafter_dir):
+    """Sessions drafting in a batch, or a subset of them, get the same drafts as alone."""
+    pair = load_pair(qwen3_target_dir, drafter_dir)
+    drafter, target = pair.drafter, pair.target
+    prompts = [[5, 9, 31, 77, 100, 4], [12, 13], [200, 201, 202, 203]]
+
+    def features(ids):
+        _, feats = target(mx.array([ids]))
+        return feats[0]
+
+    def open_all():
+        sessions = [drafter.open() for _ in prompts]
+        for s, ids in zip(sessions, prompts):
+            drafter.commit(s, features(ids))
+        return sessions
+
+    sessions = open_all()
+    together = drafter.propose(sessions, [1, 2, 3], [7, 3, 5])
+    subset = drafter.propose([sessions[2], sessions[0]], [9, 8], [4, 4])
+    mx.eval(together.tokens, subset.tokens)
+    assert [s.context_rows for s in sessions] == [6, 2, 4]  # context only, no block rows
+    for s in sessions:
+        drafter.close(s)
+    assert drafter.cache[0].batch_size == 0
+
+    for i, ids in enumerate(prompts):
+        (alone,) = open_all()[i : i + 1]
+        for s in list(drafter._sessions):
+            if s is not alone:
+                drafter.close(s)
+        one = drafter.propose([alone], [[1, 2, 3][i]], [7])
+        assert one.tokens[0, : together.depths[i]].tolist() == together.tokens[i, : together.depths[i]].tolist()
+        assert mx.allclose(one.probs[0, :3], together.probs[i, :3], atol=1e-4)
+        drafter.close(alone)
+    assert subset.tokens.shape == (2, 4)
+
+
+def test_flush_cap_writes_pending_rows_while_parked(qwen3_target_dir, drafter_dir):
+    pair = load_pair(qwen3_target_dir, drafter_dir)
+    drafter = pair.drafter
+    drafter.flush_cap = 10
+    session = drafter.open()
+    _, feats = pair.target(mx.array([list(range(3, 30))]))
+    for start in range(0, 24, 4):  # 6 commits of 4 rows; flush at 12 and 24
+        drafter.commit(session, feats[0, start : start + 4])
+    assert (session.context_rows, session.pending_rows) == (24, 0)
+    drafter.commit(session, feats[0, 24:27])
+    assert (session.context_rows, session.pending_rows) == (24, 3)
+    drafter.close(session)

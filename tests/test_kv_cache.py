@@ -1,0 +1,115 @@
+"""RaggedKVCache: stock mlx-lm models run on it unchanged, and ragged rollback is exact."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import KVCache
+
+from engine import RaggedKVCache
+from engine.loading import load_target_model
+
+ATOL = 2e-5
+
+
+def _per_sequence_logits(model, sequence: list[int]) -> mx.array:
+    cache = [KVCache() for _ in model.layers]
+    return model(mx.array([sequence]), cache=cache)[0]
+
+
+def test_ragged_prefill_and_verify_match_per_sequence_reference(target_dir):
+    """Right-padded prefill, then verify blocks of different accepted lengths per row."""
+    model, _ = load_target_model(target_dir)
+    prompts = [[5, 17, 99, 200, 31], [7, 8], [40, 41, 42, 43]]
+    cache = [RaggedKVCache(len(prompts)) for _ in model.layers]
+    longest = max(map(len, prompts))
+    padded = mx.array([p + [0] * (longest - len(p)) for p in prompts])
+    logits = model(padded, cache=cache)
+    for c in cache:
+        c.trim_rows([longest - len(p) for p in prompts])
+    sequences = [list(p) for p in prompts]
+    for row, p in enumerate(prompts):
+        reference = _per_sequence_logits(model, p)
+        assert mx.allclose(logits[row, : len(p)], reference, atol=ATOL)
+
+    # three verify steps of 4 tokens each; each row keeps a different number (rollback)
+    keep_plan = [[1, 4, 2], [3, 1, 4], [2, 2, 1]]
+    for step, keeps in enumerate(keep_plan):
+        block = [[(11 * step + 3 * row + j) % 300 + 3 for j in range(4)] for row in range(3)]
+        logits = model(mx.array(block), cache=cache)
+        for row in range(3):
+            reference = _per_sequence_logits(model, sequences[row] + block[row])
+            assert mx.allclose(logits[row], reference[-4:], atol=ATOL), (step, row)
+        for c in cache:
+            c.trim_rows([4 - k for k in keeps])
+        for row, k in enumerate(keeps):
+            sequences[row] += block[row][:k]
+        assert cache[0].lengths == [len(s) for s in sequences]
+
+
+def test_filter_and_extend_keep_rows_intact(qwen3_target_dir):
+    model, _ = load_target_model(qwen3_target_dir)
+    sequences = {"a": [5, 6, 7, 8, 9], "b": [10, 11], "c": [12, 13, 14]}
+
+    def prefill(seq):
+        cache = [RaggedKVCache(1) for _ in model.layers]
+        model(mx.array([seq]), cache=cache)
+        return cache
+
+    caches = {name: prefill(seq) for name, seq in sequences.items()}
+    batch = caches["a"]
+    for name in ("b", "c"):
+        for mine, theirs in zip(batch, caches[name]):
+            mine.extend(theirs)
+    assert batch[0].lengths == [5, 2, 3]
+    for c in batch:
+        c.filter([2, 0])  # "b" leaves; order c, a
+    logits = model(mx.array([[21], [22]]), cache=batch)
+    assert mx.allclose(logits[0, 0], _per_sequence_logits(model, sequences["c"] + [21])[-1], atol=ATOL)
+    assert mx.allclose(logits[1, 0], _per_sequence_logits(model, sequences["a"] + [22])[-1], atol=ATOL)
+    assert batch[0].nbytes > 0
+    for c in batch:
+        c.filter([])
+    assert batch[0].nbytes == 0 and batch[0].batch_size == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 6), st.lists(st.integers(0, 6), min_size=3, max_size=3)),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_random_write_and_rollback_sequences_track_a_model(steps):
+    """Any sequence of uniform writes and per-row rollbacks leaves exactly the expected rows."""
+    cache = RaggedKVCache(3)
+    rows: list[list[float]] = [[], [], []]
+    counter = 0.0
+    for width, trims in steps:
+        values = mx.arange(counter, counter + 3 * width, dtype=mx.float32).reshape(3, 1, width, 1)
+        counter += 3 * width
+        cache.write(values, values)
+        for r in range(3):
+            rows[r] += values[r, 0, :, 0].tolist()
+        trims = [min(t, len(rows[r])) for r, t in enumerate(trims)]
+        cache.trim_rows(trims)
+        for r, t in enumerate(trims):
+            rows[r] = rows[r][: len(rows[r]) - t]
+        assert cache.lengths == [len(r) for r in rows]
+        keys, _ = cache.fetch()
+        for r in range(3):
+            assert keys[r, 0, : len(rows[r]), 0].tolist() == rows[r]
+
+
+def test_mask_marks_each_rows_own_history():
+    cache = RaggedKVCache(2)
+    cache.write(mx.zeros((2, 1, 3, 1)), mx.zeros((2, 1, 3, 1)), counts=[3, 1])
+    mask = cache.make_mask(2)
+    assert mask.shape == (2, 1, 2, 5)
+    assert mask[0, 0].tolist() == [[True] * 4 + [False], [True] * 5]
+    assert mask[1, 0].tolist() == [[True, True, False, False, False], [True, True, True, False, False]]
+    with pytest.raises(ValueError):
+        cache.trim_rows([4, 0])

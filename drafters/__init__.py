@@ -1,3 +1,3 @@
-"""Drafters: the `Drafter` protocol (`drafters.base`) and its implementations (`drafters.dflash`)."""
+"""Drafters: the `Drafter` protocol (`drafters.base`) and implementations (`drafters.dflash`)."""
 
 import engine.platform  # noqa: F401  (preloads a fast BLAS before anything imports mlx)

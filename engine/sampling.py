@@ -58,7 +58,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
-                raise InvalidRequest(f"stop_token_ids {bad} outside the vocabulary (0..{vocab_size - 1})")
+                raise InvalidRequest(
+                    f"stop_token_ids {bad} outside the vocabulary (0..{vocab_size - 1})"
+                )
 
 
 def request_key(seed: int | None) -> mx.array:

@@ -6,12 +6,12 @@ import json
 import shutil
 from pathlib import Path
 
+import factories
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-import factories
 from drafters.dflash import (
     DFlashConfig,
     DrafterConfigError,
@@ -114,8 +114,10 @@ def _edited_drafter(drafter_dir: Path, tmp_path: Path, edit) -> Path:
     [
         (lambda c: c.update(hidden_size=96), "hidden_size 96 != target hidden_size 64"),
         (lambda c: c.update(vocab_size=999), "vocab_size 999 != target vocab size"),
-        (lambda c: c["dflash_config"].update(target_layer_ids=[1, 9]), r"target_layer_ids \[9\] out of range"),
-        (lambda c: c["dflash_config"].update(mask_token_id=5000), "mask_token_id 5000 lies outside"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[1, 9]),
+         r"target_layer_ids \[9\] out of range"),
+        (lambda c: c["dflash_config"].update(mask_token_id=5000),
+         "mask_token_id 5000 lies outside"),
         (lambda c: c.update(num_target_layers=36), "trained for a 36-layer target"),
         (lambda c: c.update(block_size=1), "block_size must be at least 2"),
     ],
@@ -133,7 +135,9 @@ def test_weights_that_do_not_match_the_config_fail_clearly(drafter_dir, tmp_path
 
 
 def test_not_a_dflash_checkpoint(drafter_dir, tmp_path):
-    bad = _edited_drafter(drafter_dir, tmp_path, lambda c: c.update(architectures=["LlamaForCausalLM"]))
+    bad = _edited_drafter(
+        drafter_dir, tmp_path, lambda c: c.update(architectures=["LlamaForCausalLM"])
+    )
     with pytest.raises(DrafterConfigError, match="not a DFlash drafter"):
         read_config(bad)
 

@@ -27,7 +27,10 @@ def _run_steps(model, contexts: list[mx.array], blocks: list[mx.array], fused: b
         width = contexts[0][step].shape[-1]
         longest = max(counts)
         padded = mx.stack(
-            [mx.concatenate([c[step], mx.zeros((longest - c[step].shape[0], width))]) for c in contexts]
+            [
+                mx.concatenate([c[step], mx.zeros((longest - c[step].shape[0], width))])
+                for c in contexts
+            ]
         )
         block = mx.stack([b[step] for b in blocks])
         outputs.append(model(block, cache, padded, counts))
@@ -86,13 +89,16 @@ def test_proposing_for_a_subset_equals_proposing_alone(qwen3_target_dir, drafter
         drafter.close(s)
     assert drafter.cache[0].batch_size == 0
 
-    for i, ids in enumerate(prompts):
+    for i in range(len(prompts)):
         (alone,) = open_all()[i : i + 1]
         for s in list(drafter._sessions):
             if s is not alone:
                 drafter.close(s)
         one = drafter.propose([alone], [[1, 2, 3][i]], [7])
-        assert one.tokens[0, : together.depths[i]].tolist() == together.tokens[i, : together.depths[i]].tolist()
+        assert (
+            one.tokens[0, : together.depths[i]].tolist()
+            == together.tokens[i, : together.depths[i]].tolist()
+        )
         assert mx.allclose(one.probs[0, :3], together.probs[i, :3], atol=1e-4)
         drafter.close(alone)
     assert subset.tokens.shape == (2, 4)

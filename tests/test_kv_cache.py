@@ -67,8 +67,12 @@ def test_filter_and_extend_keep_rows_intact(qwen3_target_dir):
     for c in batch:
         c.filter([2, 0])  # "b" leaves; order c, a
     logits = model(mx.array([[21], [22]]), cache=batch)
-    assert mx.allclose(logits[0, 0], _per_sequence_logits(model, sequences["c"] + [21])[-1], atol=ATOL)
-    assert mx.allclose(logits[1, 0], _per_sequence_logits(model, sequences["a"] + [22])[-1], atol=ATOL)
+    assert mx.allclose(
+        logits[0, 0], _per_sequence_logits(model, sequences["c"] + [21])[-1], atol=ATOL
+    )
+    assert mx.allclose(
+        logits[1, 0], _per_sequence_logits(model, sequences["a"] + [22])[-1], atol=ATOL
+    )
     assert batch[0].nbytes > 0
     for c in batch:
         c.filter([])
@@ -110,6 +114,9 @@ def test_mask_marks_each_rows_own_history():
     mask = cache.make_mask(2)
     assert mask.shape == (2, 1, 2, 5)
     assert mask[0, 0].tolist() == [[True] * 4 + [False], [True] * 5]
-    assert mask[1, 0].tolist() == [[True, True, False, False, False], [True, True, True, False, False]]
+    assert mask[1, 0].tolist() == [
+        [True, True, False, False, False],
+        [True, True, True, False, False],
+    ]
     with pytest.raises(ValueError):
         cache.trim_rows([4, 0])

@@ -15,7 +15,7 @@ from engine.speculative import StepState
 PROMPTS = [
     "def add(a, b):\n    return",
     "import os\n",
-    "class Config:\n    \"\"\"Settings for the",
+    'class Config:\n    """Settings for the',
     "x",
 ]
 
@@ -201,7 +201,9 @@ def test_seeded_sampling_is_reproducible(qwen3_target_dir, drafter_dir):
     ids = pair.tokenizer.encode(PROMPTS[0])
 
     def run(seed: int) -> list[int]:
-        params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=24, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True
+        )
         return generate(pair.target, ids, params, drafter=pair.drafter).token_ids
 
     first, again, other = run(7), run(7), run(8)

@@ -57,7 +57,9 @@ def test_embedding_and_head(target_dir):
     tokens = mx.array([[3, 4, 5]])
     assert mx.array_equal(target.embed(tokens), model.model.embed_tokens(tokens))
     h = mx.random.normal((1, 3, 64))
-    expected = model.lm_head(h) if hasattr(model, "lm_head") else model.model.embed_tokens.as_linear(h)
+    expected = (
+        model.lm_head(h) if hasattr(model, "lm_head") else model.model.embed_tokens.as_linear(h)
+    )
     assert mx.allclose(target.unembed(h), expected)
     assert target.hidden_size == 64 and target.num_layers == 6 and target.vocab_size > 300
     assert target.dtype == mx.float32  # compute dtype on the CPU backend

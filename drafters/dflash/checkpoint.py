@@ -73,7 +73,9 @@ def load_dflash_model(path: str | Path, dtype: mx.Dtype | None = None) -> DFlash
     return model
 
 
-def save_dflash_model(model: DFlashDraftModel, path: str | Path, dtype: mx.Dtype | None = None) -> None:
+def save_dflash_model(
+    model: DFlashDraftModel, path: str | Path, dtype: mx.Dtype | None = None
+) -> None:
     """Write `config.json` and `model.safetensors` in the z-lab layout."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

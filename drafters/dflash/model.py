@@ -48,7 +48,7 @@ class DFlashAttention(nn.Module):
         return x.reshape(B, L, n_heads, self.head_dim).transpose(0, 2, 1, 3)
 
     def context_keys(self, k: mx.array, v: mx.array, offset: mx.array) -> tuple[mx.array, mx.array]:
-        """Projected context rows [B, S, kv*hd] -> normed, rotated keys and values [B, kv, S, hd]."""
+        """Projected context rows [B, S, kv*hd] -> normed, rotated keys/values [B, kv, S, hd]."""
         keys = self.rope(self.k_norm(self.split_heads(k, self.n_kv_heads)), offset=offset)
         return keys, self.split_heads(v, self.n_kv_heads)
 
@@ -151,7 +151,9 @@ class DFlashDraftModel(nn.Module):
     ) -> None:
         """Write new context rows (row b keeps its first counts[b]) into the drafter cache."""
         offset = cache[0].offset
-        for layer_cache, (k, v) in zip(cache, self.context_kv(self.project_context(features), offset)):
+        for layer_cache, (k, v) in zip(
+            cache, self.context_kv(self.project_context(features), offset)
+        ):
             layer_cache.write(k, v, counts)
 
     def __call__(
@@ -175,8 +177,10 @@ class DFlashDraftModel(nn.Module):
         h = block_embeddings
         for layer, layer_cache in zip(self.layers, cache):
             if layer_cache.keys is None:  # no context yet: the block attends to itself only
-                empty = mx.zeros((len(lengths), self.config.num_key_value_heads, 0,
-                                  self.config.head_dim), block_embeddings.dtype)
+                empty = mx.zeros(
+                    (len(lengths), self.config.num_key_value_heads, 0, self.config.head_dim),
+                    block_embeddings.dtype,
+                )
                 context_keys = context_values = empty
             else:
                 context_keys, context_values = layer_cache.fetch()
@@ -192,4 +196,6 @@ def _context_mask(lengths: list[int], block_len: int) -> mx.array | None:
     key_pos = mx.arange(longest + block_len)[None, :]
     context_len = mx.array(lengths, dtype=mx.int32)[:, None]
     valid = (key_pos < context_len) | (key_pos >= longest)  # [B, S_max + Q]
-    return mx.broadcast_to(valid[:, None, None, :], (len(lengths), 1, block_len, longest + block_len))
+    return mx.broadcast_to(
+        valid[:, None, None, :], (len(lengths), 1, block_len, longest + block_len)
+    )

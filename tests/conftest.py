@@ -2,10 +2,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import engine  # noqa: F401  (fast BLAS before mlx)
-import pytest
+import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
 
+# isort: split
 import factories
+import pytest
 
 
 @pytest.fixture(scope="session")

@@ -4,12 +4,14 @@ Everything goes through the real save/load paths."""
 
 from __future__ import annotations
 
+import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
+
+# isort: split
 import importlib
 import inspect
 import json
 from pathlib import Path
 
-import engine  # noqa: F401  (fast BLAS before mlx)
 import mlx.core as mx
 from mlx_lm.utils import save_config, save_model
 

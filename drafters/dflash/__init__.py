@@ -1,6 +1,11 @@
 """DFlash block-diffusion drafter: model, per-request sessions, z-lab checkpoint I/O."""
 
-from drafters.dflash.checkpoint import load_dflash_model, load_drafter, read_config, save_dflash_model
+from drafters.dflash.checkpoint import (
+    load_dflash_model,
+    load_drafter,
+    read_config,
+    save_dflash_model,
+)
 from drafters.dflash.config import (
     DFlashConfig,
     DrafterConfigError,

@@ -64,6 +64,38 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_drafter(args: argparse.Namespace) -> int:
+    from drafters.dflash import train
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    chat = not getattr(args, "no_chat_template", False)  # data and eval only
+    if args.step == "data":
+        return train.run_data(args.target, args.prompts, args.out, args.max_tokens, chat)
+    if args.step == "eval":
+        return train.run_eval(args.target, args.drafter, args.prompts, args.max_tokens, chat)
+    config = train.TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        num_anchors=args.num_anchors,
+        max_len=args.max_len,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+        out_dir=args.out,
+        resume=args.resume,
+    )
+    train.run_fit(
+        args.target,
+        args.data,
+        config,
+        num_layers=args.layers,
+        block_size=args.block_size,
+        target_layer_ids=args.target_layer_ids,
+        mask_token_id=args.mask_token_id,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +115,43 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--num-speculative-tokens", type=int, help="draft cap (0 = off)")
     gen.set_defaults(func=_generate)
+
+    td = sub.add_parser("train-drafter", help="train a DFlash drafter: data, fit, eval")
+    td_steps = td.add_subparsers(dest="step", required=True)
+    td_data = td_steps.add_parser("data", help="write the target's greedy continuations (JSONL)")
+    td_data.add_argument("--target", required=True, help="mlx-lm model directory")
+    td_data.add_argument("--prompts", required=True, help="one prompt per line, or .jsonl")
+    td_data.add_argument("--out", required=True, help="output JSONL (resumes if it exists)")
+    td_data.add_argument("--max-tokens", type=int, default=256)
+    td_fit = td_steps.add_parser("fit", help="train a drafter on a data JSONL")
+    td_fit.add_argument("--target", required=True, help="mlx-lm model directory")
+    td_fit.add_argument("--data", required=True, help="JSONL written by `data`")
+    td_fit.add_argument("--out", required=True, help="drafter directory (z-lab layout)")
+    td_fit.add_argument("--layers", type=int, default=1, help="drafter layers")
+    td_fit.add_argument("--block-size", type=int, default=16)
+    td_fit.add_argument(
+        "--target-layer-ids", type=lambda s: [int(i) for i in s.split(",")],
+        help="tapped target layers, comma-separated (default: the reference rule)",
+    )  # fmt: skip
+    td_fit.add_argument("--mask-token-id", type=int, help="default: the last embedding row")
+    td_fit.add_argument("--steps", type=int, default=1000)
+    td_fit.add_argument("--batch-size", type=int, default=1, help="sequences per step")
+    td_fit.add_argument("--lr", type=float, default=6e-4)
+    td_fit.add_argument("--num-anchors", type=int, default=64)
+    td_fit.add_argument("--max-len", type=int, default=2048)
+    td_fit.add_argument("--seed", type=int, default=0)
+    td_fit.add_argument("--checkpoint-every", type=int, default=100)
+    td_fit.add_argument(
+        "--resume", action="store_true", help="continue from --out's checkpoint (sizes from it)"
+    )
+    td_eval = td_steps.add_parser("eval", help="tau of a drafter on held-out prompts")
+    td_eval.add_argument("--target", required=True, help="mlx-lm model directory")
+    td_eval.add_argument("--drafter", required=True, help="drafter directory")
+    td_eval.add_argument("--prompts", required=True, help="one prompt per line, or .jsonl")
+    td_eval.add_argument("--max-tokens", type=int, default=128)
+    for step_parser in (td_data, td_eval):
+        step_parser.add_argument("--no-chat-template", action="store_true")
+    td.set_defaults(func=_train_drafter)
     return parser
 
 

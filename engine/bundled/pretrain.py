@@ -127,7 +127,7 @@ class TargetSize:
 
 @dataclass
 class PretrainConfig:
-    steps: int = 3000
+    steps: int = 1000  # 4.1M tokens (~1.3 epochs of the stdlib), about 1.6 h on 2 cores
     batch_size: int = 16
     seq_len: int = 256
     learning_rate: float = 1e-3

@@ -18,31 +18,15 @@ from mlx_lm.utils import save_config, save_model
 from drafters.dflash.checkpoint import save_dflash_model
 from drafters.dflash.config import DFlashConfig
 from drafters.dflash.model import DFlashDraftModel
+from engine.bundled.pretrain import build_bpe_tokenizer
 
 TOKENIZER_VOCAB = 384
 
 
 def build_tokenizer(directory: Path) -> None:
     """A byte-level BPE tokenizer that `mlx_lm.load` accepts (trained in about a second)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     corpus = [inspect.getsource(m) for m in (json, inspect, importlib)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-    )
-    wrapped.save_pretrained(str(directory))
+    build_bpe_tokenizer(corpus, TOKENIZER_VOCAB, directory)
 
 
 def target_config(model_type: str, vocab_size: int, layers: int = 6) -> dict:

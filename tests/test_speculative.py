@@ -247,7 +247,7 @@ def test_sampled_speculation_follows_the_target_distribution(qwen3_target_dir, v
     ids = pair.tokenizer.encode(PROMPTS[3])
     greedy_path = plain_greedy(pair.target.model, ids, 6)
     params = dict(max_tokens=4, temperature=1.0, top_k=2, ignore_eos=True)
-    runs = 300
+    runs = 1000  # fewer samples gave p ~ 0.01 dips on some seed ranges (RNG halves checked iid)
     plain, speculative = [], []
     accepted = 0
     for seed in range(runs):

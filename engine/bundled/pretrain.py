@@ -69,13 +69,17 @@ def read_files(split: dict, which: str) -> list[str]:
 # ----------------------------------------------------------------------------- tokenizer
 def train_tokenizer(work: Path, vocab_size: int) -> Path:
     """A byte-level BPE tokenizer saved in Hugging Face format under `work/tokenizer`."""
+    out = work / "tokenizer"
+    if not (out / "tokenizer.json").exists():
+        build_bpe_tokenizer(read_files(split_corpus(work), "train"), vocab_size, out)
+    return out
+
+
+def build_bpe_tokenizer(texts: list[str], vocab_size: int, out: Path) -> None:
+    """Train a byte-level BPE tokenizer on `texts` and save it where `mlx_lm.load` finds it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    out = work / "tokenizer"
-    if (out / "tokenizer.json").exists():
-        return out
-    texts = read_files(split_corpus(work), "train")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -92,7 +96,6 @@ def train_tokenizer(work: Path, vocab_size: int) -> Path:
     )
     wrapped.chat_template = CHAT_TEMPLATE
     wrapped.save_pretrained(str(out))
-    return out
 
 
 def tokenize_corpus(work: Path) -> np.ndarray:

@@ -156,7 +156,7 @@ def test_generate_data_resumes(qwen3_target_dir: Path, data_file: Path, tmp_path
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["prompt"] for r in records] == PROMPTS
     for record in records:
-        ids = tokenizer.encode(record["prompt"])
+        ids = train.encode_prompt(tokenizer, record["prompt"])
         assert record["tokens"][: record["prompt_tokens"]] == ids
         assert len(record["tokens"]) > len(ids)
 

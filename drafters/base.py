@@ -7,6 +7,7 @@ the target verify and the acceptance test are evaluated together with a single h
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,10 +55,13 @@ class Drafter(Protocol):
         """The most draft tokens one proposal can hold."""
         ...
 
-    def open(self) -> DraftSession: ...
+    def open(self, prompt_ids: Sequence[int] = ()) -> DraftSession:
+        """A session for a request with this prompt (token-based drafters read it)."""
+        ...
 
-    def commit(self, session: DraftSession, features: mx.array) -> None:
-        """Report committed target positions (features [n, F], in position order)."""
+    def commit(self, session: DraftSession, features: mx.array, tokens: Sequence[int] = ()) -> None:
+        """Report committed target positions, in position order: their features [n, F] and
+        the tokens at those positions (the anchor and accepted drafts of a verify step)."""
         ...
 
     def propose(

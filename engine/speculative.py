@@ -92,7 +92,7 @@ def generate(
         depth_cap = min(depth_cap, params.num_speculative_tokens)
 
     cache = target.make_cache()
-    session: DraftSession | None = drafter.open() if drafter is not None else None
+    session: DraftSession | None = drafter.open(prompt_ids) if drafter is not None else None
     key = None if params.greedy else request_key(params.seed)
     steps: list[StepStats] = []
 
@@ -109,7 +109,8 @@ def generate(
         for start in range(0, prompt.shape[1], prefill_chunk):
             logits, features = target(prompt[:, start : start + prefill_chunk], cache)
             if session is not None:
-                drafter.commit(session, features[0])
+                chunk_ids = prompt_ids[start : start + prefill_chunk]
+                drafter.commit(session, features[0], chunk_ids)
             mx.eval(logits[:, -1], [c.state for c in cache])
         if key is not None:
             key, subkey = mx.random.split(key)
@@ -139,7 +140,9 @@ def generate(
             committed = target_tokens[: accepted + 1].tolist()
             trim_prompt_cache(cache, depth - accepted)
             if session is not None:
-                drafter.commit(session, features[0, : accepted + 1])
+                # positions now in the target cache: the anchor and the accepted drafts
+                cached_tokens = [token] + committed[:accepted]
+                drafter.commit(session, features[0, : accepted + 1], cached_tokens)
             steps.append(StepStats(drafted=depth, accepted=accepted, committed=accepted + 1))
             stop.add(committed)
             token = committed[-1]

@@ -10,11 +10,14 @@ import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
 import importlib
 import inspect
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.utils import save_config, save_model
 
+from drafters.base import Candidates
 from drafters.dflash.checkpoint import save_dflash_model
 from drafters.dflash.config import DFlashConfig
 from drafters.dflash.model import DFlashDraftModel
@@ -90,3 +93,69 @@ def build_drafter(directory: Path, config: DFlashConfig, seed: int) -> Path:
     mx.eval(model.parameters())
     save_dflash_model(model, directory)
     return directory
+
+
+@dataclass
+class _ScriptedSession:
+    reference: list[int]
+    tokens: list[int]  # tokens at the positions reported as committed (in the target cache)
+    proposals: int = 0
+
+    @property
+    def context_rows(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def pending_rows(self) -> int:
+        return 0
+
+
+@dataclass
+class ScriptedDrafter:
+    """A fake drafter that knows each request's greedy continuation (`references`: prompt +
+    continuation) and proposes it, spoiled after `correct_per_step[k]` tokens on a session's
+    k-th proposal (cycled), so partial, full and zero acceptance all occur. Implements the
+    `Drafter` protocol, batched; it checks that the loop reports committed tokens in order."""
+
+    references: list[list[int]]
+    vocab_size: int
+    correct_per_step: list[int]
+    block_size: int = 8
+    strict: bool = True  # sampled runs leave the reference path; then drafts are just guesses
+    calls: list[int] = field(default_factory=list)
+
+    @property
+    def max_depth(self) -> int:
+        return self.block_size - 1
+
+    def open(self, prompt_ids: Sequence[int] = ()) -> _ScriptedSession:
+        prompt = list(prompt_ids)
+        matches = [r for r in self.references if r[: len(prompt)] == prompt]
+        return _ScriptedSession(reference=matches[0] if matches else prompt, tokens=[])
+
+    def commit(self, session: _ScriptedSession, features, tokens: Sequence[int] = ()) -> None:
+        assert len(tokens) == features.shape[0], "every committed row comes with its token"
+        session.tokens += list(tokens)
+
+    def propose(self, sessions, anchors, depths) -> Candidates:
+        rows = []
+        width = max(depths)
+        for session, anchor, depth in zip(sessions, anchors, depths):
+            position = len(session.tokens)  # the anchor's position
+            reference = session.reference
+            if self.strict:
+                assert session.tokens == reference[:position], "committed tokens out of order"
+                assert reference[position] == anchor, "anchor must be the last committed token"
+            right = self.correct_per_step[session.proposals % len(self.correct_per_step)]
+            session.proposals += 1
+            self.calls.append(depth)
+            drafts = []
+            for j in range(1, width + 1):
+                truth = reference[position + j] if position + j < len(reference) else 0
+                drafts.append(truth if j <= right else (truth + 1) % self.vocab_size)
+            rows.append(drafts)
+        tokens = mx.array(rows, dtype=mx.int32)
+        return Candidates(tokens=tokens, probs=mx.ones(tokens.shape), depths=list(depths))
+
+    def close(self, session: _ScriptedSession) -> None:
+        pass

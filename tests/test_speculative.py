@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import mlx.core as mx
 import pytest
+from factories import ScriptedDrafter
 from mlx_lm.generate import generate_step
 
-from drafters.base import Candidates
 from engine import SamplingParams, TargetAdapter, generate, load_pair
 from engine.speculative import StepState
 
@@ -26,55 +24,6 @@ def plain_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
         mx.array(prompt_ids), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
     )
     return [int(token) for token, _ in steps]
-
-
-@dataclass
-class _ScriptedSession:
-    context_rows: int = 0
-    pending_rows: int = 0
-
-
-@dataclass
-class ScriptedDrafter:
-    """A fake drafter that knows the target's greedy continuation and proposes it, spoiled at
-    scripted positions, so partial, full and zero acceptance all occur. Implements the
-    `Drafter` protocol, including the context bookkeeping the loop must drive correctly."""
-
-    reference: list[int]  # prompt + greedy continuation
-    vocab_size: int
-    correct_per_step: list[int]  # how many leading drafts are right, cycled
-    block_size: int = 8
-    strict: bool = True  # sampled runs leave the reference path; then drafts are just guesses
-    calls: list[int] = field(default_factory=list)
-
-    @property
-    def max_depth(self) -> int:
-        return self.block_size - 1
-
-    def open(self) -> _ScriptedSession:
-        return _ScriptedSession()
-
-    def commit(self, session: _ScriptedSession, features: mx.array) -> None:
-        session.pending_rows += features.shape[0]
-
-    def propose(self, sessions, anchors, depths) -> Candidates:
-        (session,), (anchor,), (depth,) = sessions, anchors, depths
-        position = session.context_rows + session.pending_rows  # the anchor's position
-        if self.strict:
-            assert self.reference[position] == anchor, "anchor must be the last committed token"
-        session.context_rows += session.pending_rows
-        session.pending_rows = 0
-        right = self.correct_per_step[len(self.calls) % len(self.correct_per_step)]
-        self.calls.append(depth)
-        drafts = []
-        for j in range(1, depth + 1):
-            truth = self.reference[position + j] if position + j < len(self.reference) else 0
-            drafts.append(truth if j <= right else (truth + 1) % self.vocab_size)
-        tokens = mx.array([drafts], dtype=mx.int32)
-        return Candidates(tokens=tokens, probs=mx.ones(tokens.shape), depths=[depth])
-
-    def close(self, session: _ScriptedSession) -> None:
-        pass
 
 
 def load_tapped(target_dir):
@@ -114,7 +63,7 @@ def test_scripted_acceptance_is_lossless_and_counted(qwen3_target_dir, vocab_siz
     pair = load_tapped(qwen3_target_dir)
     ids = pair.tokenizer.encode(PROMPTS[0])
     reference = plain_greedy(pair.target.model, ids, 60)
-    drafter = ScriptedDrafter(ids + reference, vocab_size, script)
+    drafter = ScriptedDrafter([ids + reference], vocab_size, script)
     states: list[StepState] = []
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     result = generate(pair.target, ids, params, drafter=drafter, on_step=states.append)
@@ -133,7 +82,7 @@ def test_max_tokens_inside_a_block(qwen3_target_dir, vocab_size):
     ids = pair.tokenizer.encode(PROMPTS[1])
     reference = plain_greedy(pair.target.model, ids, 30)
     for max_tokens in (1, 2, 5, 9, 17):
-        drafter = ScriptedDrafter(ids + reference, vocab_size, [7])
+        drafter = ScriptedDrafter([ids + reference], vocab_size, [7])
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         result = generate(pair.target, ids, params, drafter=drafter)
         assert result.token_ids == reference[:max_tokens]
@@ -149,7 +98,7 @@ def test_stop_token_inside_a_block(qwen3_target_dir, vocab_size):
     stop_at = 5  # a token deep inside the first full block
     stop_token = reference[stop_at]
     first = reference.index(stop_token)
-    drafter = ScriptedDrafter(ids + reference, vocab_size, [7])
+    drafter = ScriptedDrafter([ids + reference], vocab_size, [7])
     params = SamplingParams(max_tokens=40, stop_token_ids=[stop_token])
     result = generate(pair.target, ids, params, drafter=drafter, tokenizer=pair.tokenizer)
     assert result.token_ids == reference[: first + 1]
@@ -163,12 +112,12 @@ def test_eos_inside_a_block_stops_unless_ignored(qwen3_target_dir, vocab_size):
     reference = plain_greedy(pair.target.model, ids, 40)
     eos = reference[6]
     first = reference.index(eos)
-    drafter = ScriptedDrafter(ids + reference, vocab_size, [7])
+    drafter = ScriptedDrafter([ids + reference], vocab_size, [7])
     stopped = generate(
         pair.target, ids, SamplingParams(max_tokens=40), drafter=drafter, eos_token_ids={eos}
     )
     assert stopped.token_ids == reference[: first + 1] and stopped.finish_reason == "stop"
-    drafter = ScriptedDrafter(ids + reference, vocab_size, [7])
+    drafter = ScriptedDrafter([ids + reference], vocab_size, [7])
     ignored = generate(
         pair.target, ids, SamplingParams(max_tokens=40, ignore_eos=True), drafter=drafter,
         eos_token_ids={eos},
@@ -185,7 +134,7 @@ def test_stop_string_inside_a_block(qwen3_target_dir, vocab_size):
     stop = full_text[8:11]
     assert stop and stop in full_text
     cut = full_text.index(stop)
-    drafter = ScriptedDrafter(ids + reference, vocab_size, [7])
+    drafter = ScriptedDrafter([ids + reference], vocab_size, [7])
     params = SamplingParams(max_tokens=40, stop=[stop], ignore_eos=True)
     result = generate(pair.target, ids, params, drafter=drafter, tokenizer=tok)
     assert result.finish_reason == "stop"
@@ -220,7 +169,7 @@ def test_sampled_speculation_with_full_acceptance_matches_plain_sampling_per_ste
     ids = pair.tokenizer.encode(PROMPTS[3])
     params = SamplingParams(max_tokens=30, temperature=0.7, top_k=1, seed=1, ignore_eos=True)
     plain = generate(pair.target, ids, params).token_ids
-    drafter = ScriptedDrafter(ids + plain, vocab_size, [4, 0, 7])
+    drafter = ScriptedDrafter([ids + plain], vocab_size, [4, 0, 7])
     speculative = generate(pair.target, ids, params, drafter=drafter)
     assert speculative.token_ids == plain
     assert speculative.accepted > 0
@@ -253,7 +202,7 @@ def test_sampled_speculation_follows_the_target_distribution(qwen3_target_dir, v
     for seed in range(runs):
         p = SamplingParams(seed=seed, **params)
         plain.append(generate(pair.target, ids, p).token_ids)
-        drafter = ScriptedDrafter(ids + greedy_path, vocab_size, [7], strict=False)
+        drafter = ScriptedDrafter([ids + greedy_path], vocab_size, [7], strict=False)
         p = SamplingParams(seed=10_000 + seed, **params)
         result = generate(pair.target, ids, p, drafter=drafter)
         speculative.append(result.token_ids)

@@ -11,6 +11,7 @@ Session rules (after Ollama's DFlash draft session):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -69,7 +70,7 @@ class DFlashDrafter:
         return self._sessions.index(session)
 
     # ----------------------------------------------------------------- lifecycle
-    def open(self) -> DFlashSession:
+    def open(self, prompt_ids: Sequence[int] = ()) -> DFlashSession:
         session = DFlashSession(self)
         for layer_cache in self.cache:
             layer_cache.extend(RaggedKVCache(1))
@@ -84,8 +85,11 @@ class DFlashDrafter:
         session.pending.clear()
         session.pending_rows = 0
 
-    def commit(self, session: DFlashSession, features: mx.array) -> None:
-        """Buffer feature rows [n, F] of newly committed target positions."""
+    def commit(
+        self, session: DFlashSession, features: mx.array, tokens: Sequence[int] = ()
+    ) -> None:
+        """Buffer feature rows [n, F] of newly committed target positions (DFlash conditions
+        on features only; the tokens are not needed)."""
         if features.shape[0] == 0:
             return
         session.pending.append(features)

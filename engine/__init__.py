@@ -3,6 +3,8 @@
 Importing this package first preloads an optimized BLAS on Linux (see `engine.platform`), so
 import `engine` (or `drafters`) before `mlx`. The names below load lazily:
 
+- `AsyncEngine(EngineConfig(...))` — the continuous-batching engine: `async with` it, then
+  `generate(prompt, params)` streams `RequestOutput` deltas; `abort(id)`; `shutdown(drain)`.
 - `SamplingParams` — how one request is decoded (temperature, top-p/k, min-p, seed, stops, ...).
 - `load_pair(target_path, drafter_path=None)` → `ModelPair` — an mlx-lm target, tapped for its
   DFlash drafter, the drafter and the tokenizer; a bad pairing fails here with a clear message.
@@ -22,6 +24,9 @@ from typing import Any
 from engine import platform as _platform  # noqa: F401  (must run before mlx is imported)
 
 _EXPORTS = {
+    "AsyncEngine": "engine.async_engine",
+    "RequestOutput": "engine.async_engine",
+    "EngineConfig": "engine.config",
     "SamplingParams": "engine.sampling",
     "load_pair": "engine.loading",
     "ModelPair": "engine.loading",

@@ -1,0 +1,279 @@
+"""`AsyncEngine`: the embeddable async face of flashbatch.
+
+    async with AsyncEngine(EngineConfig(target=..., drafter=...)) as engine:
+        async for out in engine.generate("def quicksort(", SamplingParams(max_tokens=64)):
+            print(out.text, end="")
+
+One background task runs the scheduler loop; every step executes on a single dedicated MLX
+thread (a one-worker executor), so all MLX arrays and streams live on that thread while the
+asyncio loop stays free for I/O (`mx.eval` releases the GIL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from engine.config import EngineConfig
+from engine.errors import EngineClosed, InvalidRequest
+from engine.sampling import SamplingParams
+from engine.stopping import StopChecker
+from scheduler.depth import DepthPolicy, FixedDepthPolicy
+from scheduler.plan import StepResult
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler, SchedulerLimits
+
+log = logging.getLogger("flashbatch.engine")
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """One streamed delta of a request; the last one has `finished=True`."""
+
+    request_id: str
+    text: str  # new text since the previous delta
+    token_ids: list[int]  # new token ids since the previous delta
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    drafted_tokens: int = 0  # speculation stats so far
+    accepted_tokens: int = 0
+    verify_steps: int = 0
+
+
+class AsyncEngine:
+    """Continuous-batching engine with a DFlash draft session per request."""
+
+    def __init__(self, config: EngineConfig, depth_policy: DepthPolicy | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.model_name = config.model_name or Path(config.target).name
+        self._policy = depth_policy or FixedDepthPolicy(config.num_speculative_tokens)
+        self._executor: ThreadPoolExecutor | None = None
+        self._runner: Any = None
+        self.tokenizer: Any = None
+        self.scheduler: Scheduler | None = None
+        self._streams: dict[str, Any] = {}
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._accepting = False
+        self._stopped = False
+        self.step_count = 0
+        self._step_in_flight = False
+        self.last_result: StepResult | None = None
+        # Called on the loop thread after every step (tests check invariants, metrics record).
+        self.step_hooks: list[Callable[[StepResult], None]] = []
+
+    # ----------------------------------------------------------------- lifecycle
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    async def start(self) -> None:
+        """Load the models on the MLX thread and start the scheduler loop."""
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="flashbatch-mlx")
+        loop = asyncio.get_running_loop()
+        self._runner, self.tokenizer = await loop.run_in_executor(self._executor, self._load)
+        target_args = getattr(self._runner.target.model, "args", None)
+        max_len = self.config.max_model_len or getattr(target_args, "max_position_embeddings", None)
+        limits = SchedulerLimits(
+            max_num_seqs=self.config.max_num_seqs,
+            max_waiting_requests=self.config.max_waiting_requests,
+            max_waiting_prompt_tokens=self.config.max_waiting_prompt_tokens,
+            prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+            kv_cache_bytes=self.config.kv_cache_bytes,
+            bytes_per_token=self._runner.bytes_per_token(),
+            max_model_len=int(max_len or 4096),
+        )
+        self.scheduler = Scheduler(limits, self._policy, self._runner.max_depth)
+        self._accepting = True
+        self._loop_task = asyncio.create_task(self._run(), name="flashbatch-scheduler")
+
+    def _load(self) -> tuple[Any, Any]:
+        from engine.loading import load_pair
+        from engine.platform import report_blas
+        from engine.runner import ModelRunner
+
+        report_blas(log)
+        pair = load_pair(self.config.target, self.config.drafter)
+        return ModelRunner(pair.target, pair.drafter), pair.tokenizer
+
+    async def shutdown(self, drain_timeout: float | None = 0.0) -> None:
+        """Stop accepting requests; let in-flight ones finish for up to `drain_timeout`
+        seconds (None = wait for all), then abort the rest and stop."""
+        self._accepting = False
+        if self.scheduler is not None and drain_timeout != 0:
+            with anyio.move_on_after(drain_timeout):
+                while self.scheduler.num_unfinished:
+                    await asyncio.sleep(0.01)
+        if self.scheduler is not None:
+            for request_id in list(self.scheduler.requests):
+                self.abort(request_id)
+        self._stopped = True
+        self._wakeup.set()
+        if self._loop_task is not None:
+            await self._loop_task
+            self._loop_task = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    @property
+    def ready(self) -> bool:
+        return self._accepting
+
+    @property
+    def idle(self) -> bool:
+        """No request queued or in flight and no step running."""
+        return not self._step_in_flight and not (self.scheduler and self.scheduler.has_work)
+
+    # ----------------------------------------------------------------- requests
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> tuple[str, Any]:
+        """Validate and queue a request; return its id and the stream its outputs arrive on.
+
+        Raises at once: InvalidRequest (bad parameters, prompt too long), EngineOverloaded
+        (queue full), EngineClosed (shutting down). `generate` wraps this.
+        """
+        if not self._accepting or self.scheduler is None:
+            raise EngineClosed("the engine is not accepting requests (starting or shutting down)")
+        params = params or SamplingParams()
+        params.validate(self._runner.target.vocab_size)
+        if isinstance(prompt, str):
+            prompt_ids = list(self.tokenizer.encode(prompt))
+        else:
+            prompt_ids = [int(t) for t in prompt]
+            vocab = self._runner.target.vocab_size
+            if any(not 0 <= t < vocab for t in prompt_ids):
+                raise InvalidRequest(f"prompt token ids must lie in 0..{vocab - 1}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer")
+        request_id = request_id or uuid.uuid4().hex
+        eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
+        request = Request(request_id, prompt_ids, params, StopChecker(params, eos, self.tokenizer))
+        self.scheduler.add(request)
+        send, receive = anyio.create_memory_object_stream(math.inf)
+        self._streams[request_id] = send
+        self._wakeup.set()
+        return request_id, receive
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Cancelling or leaving the iteration aborts it."""
+        request_id, stream = self.add_request(prompt, params, request_id)
+        finished = False
+        try:
+            async with stream:
+                async for output in stream:
+                    finished = output.finished
+                    yield output
+                    if finished:
+                        return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its slot is freed at the next step boundary."""
+        if self.scheduler is None:
+            return
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            self._emit(request)
+        self._wakeup.set()
+
+    # ----------------------------------------------------------------- the loop
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        scheduler = self.scheduler
+        while True:
+            if not scheduler.has_work:
+                if self._stopped:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            plan = scheduler.plan()
+            if plan.empty:
+                await asyncio.sleep(0)
+                continue
+            self._step_in_flight = True
+            try:
+                result = await loop.run_in_executor(self._executor, self._runner.execute, plan)
+            except Exception:
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all()
+                continue
+            finally:
+                self._step_in_flight = False
+            self.step_count += 1
+            self.last_result = result
+            for request in scheduler.apply(result):
+                self._emit(request)
+            for hook in self.step_hooks:
+                hook(result)
+
+    def _fail_all(self) -> None:
+        for request_id in list(self.scheduler.requests):
+            request = self.scheduler.abort(request_id)
+            if request is not None:
+                request.finish_reason = "error"
+                self._emit(request)
+
+    def _emit(self, request: Request) -> None:
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            return
+        tokens = request.stop.token_ids
+        new_tokens = tokens[request.sent_tokens :]
+        text = request.stop.text
+        visible = len(text)
+        if not request.finished and request.params.stop:
+            visible -= request.stop.longest_stop - 1  # a stop string may still be forming
+        new_text = text[request.sent_text : max(request.sent_text, visible)]
+        request.sent_tokens = len(tokens)
+        request.sent_text += len(new_text)
+        output = RequestOutput(
+            request_id=request.request_id,
+            text=new_text,
+            token_ids=list(new_tokens),
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            prompt_tokens=len(request.prompt_ids),
+            completion_tokens=len(tokens),
+            drafted_tokens=request.drafted,
+            accepted_tokens=request.accepted,
+            verify_steps=request.verify_steps,
+        )
+        try:
+            stream.send_nowait(output)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the consumer went away; the abort is on its way
+        if request.finished:
+            stream.close()
+            del self._streams[request.request_id]
+
+    # ----------------------------------------------------------------- introspection
+    def kv_bytes(self) -> int:
+        """KV cache bytes held by the runner (read between steps)."""
+        return self._runner.kv_bytes if self._runner is not None else 0

@@ -1,0 +1,28 @@
+"""Engine configuration: one place for every default."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    """How an `AsyncEngine` is built and how it schedules."""
+
+    target: str  # mlx-lm model directory
+    drafter: str | None = None  # DFlash drafter directory (z-lab layout); None = no drafting
+    model_name: str | None = None  # name reported to clients; default: the target's folder name
+    max_num_seqs: int = 32  # requests prefilling or decoding at once
+    max_waiting_requests: int = 256  # queue bound (count); over it -> EngineOverloaded
+    max_waiting_prompt_tokens: int = 1 << 18  # queue bound (prompt tokens)
+    max_model_len: int | None = None  # context limit; default: the target's max positions
+    prefill_chunk_tokens: int = 256  # prompt tokens per step, so prefills do not stall decoders
+    kv_cache_bytes: int = 4 << 30  # target KV cache budget for admitted requests
+    num_speculative_tokens: int | None = None  # fixed depth; None = block size - 1; 0 = off
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError("prefill_chunk_tokens must be >= 1")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")

@@ -1,0 +1,244 @@
+"""The model runner: executes one step plan on the MLX thread.
+
+Everything MLX lives here and is touched only from the engine's single MLX thread. One step:
+
+1. rows of finished/aborted requests leave the batch (`filter`: the only copies, with joins);
+2. prefill chunks of new requests run, each request in its own small cache;
+3. decode: one batched drafter forward for the rows with depth > 0, one batched target forward
+   over ``[anchor, drafts...]`` of every row (ragged depths padded to the widest and masked),
+   every row sampled with its own sampler, the longest prefix where draft == sample accepted;
+4. **one** host sync; then per-row rollback of the rejected positions (O(1), lengths only),
+   committed features to the drafter sessions, and finished prefills join the batch.
+
+With every depth 0 the step is plain batched decoding: no drafter forward at all.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from drafters.base import Drafter, DraftSession
+from engine.kv_cache import RaggedKVCache
+from engine.sampling import SamplingParams, request_key, sample
+from engine.target import TargetAdapter
+from scheduler.plan import Admission, RowOutcome, StepPlan, StepResult
+
+
+@dataclass
+class _RowState:
+    """A request's MLX-side state."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    key: mx.array | None
+    anchor: int = -1  # last committed token, not yet in the target cache
+    session: DraftSession | None = None
+    prefill_cache: list[RaggedKVCache] | None = None
+    prefill_features: list[mx.array] = field(default_factory=list)
+
+    def next_key(self) -> mx.array | None:
+        if self.key is None:
+            return None
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+
+@dataclass
+class _Decode:
+    """The lazy outputs of a decode forward, resolved by the step's single sync."""
+
+    depths: list[int]
+    width: int
+    targets: mx.array  # [B, width + 1]
+    accepted: mx.array  # [B]
+    features: mx.array | None
+    drafted_rows: int
+
+
+class ModelRunner:
+    """Owns the batched target cache (one row per decoding request) and the drafter."""
+
+    def __init__(self, target: TargetAdapter, drafter: Drafter | None = None) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.cache: list[RaggedKVCache] = [RaggedKVCache(0) for _ in target.layers]
+        self.rows: list[str] = []  # request ids in batch-row order
+        self.states: dict[str, _RowState] = {}
+
+    @property
+    def max_depth(self) -> int:
+        return self.drafter.max_depth if self.drafter is not None else 0
+
+    # ----------------------------------------------------------------- the step
+    def execute(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter()
+        for request_id in plan.removals:
+            self._remove(request_id)
+        for admission in plan.admissions:
+            self._admit(admission)
+
+        first_tokens = {}
+        prefill_tokens = 0
+        for chunk in plan.prefills:
+            state = self.states[chunk.request_id]
+            ids = mx.array([state.prompt_ids[chunk.start : chunk.end]], dtype=mx.int32)
+            logits, features = self.target(ids, state.prefill_cache)
+            if features is not None:
+                state.prefill_features.append(features[0])
+            if chunk.last:
+                first_tokens[chunk.request_id] = sample(
+                    logits[0, -1:], state.params, state.next_key()
+                )[0]
+            prefill_tokens += chunk.end - chunk.start
+
+        decode = self._decode(plan.depths) if self.rows else None
+
+        # The step's one host synchronisation.
+        mx.eval(
+            list(first_tokens.values()),
+            [] if decode is None else [decode.targets, decode.accepted],
+            [c.state for s in self.states.values() if s.prefill_cache for c in s.prefill_cache],
+        )
+
+        result = StepResult(prefill_tokens=prefill_tokens)
+        if decode is not None:
+            self._commit(decode, result)
+        for request_id, token in first_tokens.items():
+            result.first_tokens[request_id] = self._join(request_id, int(token.item()))
+        result.kv_bytes = self.kv_bytes
+        result.step_seconds = time.perf_counter() - started
+        return result
+
+    # ----------------------------------------------------------------- decode
+    def _decode(self, depth_by_id: dict[str, int]) -> _Decode:
+        states = [self.states[r] for r in self.rows]
+        depths = [min(depth_by_id.get(r, 0), self.max_depth) for r in self.rows]
+        width = max(depths)
+        anchors = mx.array([[s.anchor] for s in states], dtype=mx.int32)
+        drafting = [i for i, d in enumerate(depths) if d > 0]
+        if drafting:
+            candidates = self.drafter.propose(
+                [states[i].session for i in drafting],
+                [states[i].anchor for i in drafting],
+                [depths[i] for i in drafting],
+            )
+            drafts = candidates.tokens[:, :width]
+            if len(drafting) < len(states):  # rows that do not draft carry padding
+                full = mx.zeros((len(states), width), dtype=mx.int32)
+                full[mx.array(drafting)] = drafts
+                drafts = full
+            verify_ids = mx.concatenate([anchors, drafts], axis=1)
+        else:
+            verify_ids = anchors
+        logits, features = self.target(verify_ids, self.cache)
+        targets = self._sample_rows(logits, states)
+        if drafting:
+            in_depth = mx.arange(width)[None, :] < mx.array(depths)[:, None]
+            matches = (drafts == targets[:, :width]) & in_depth
+            accepted = mx.cumprod(matches.astype(mx.int32), axis=1).sum(axis=1)
+        else:
+            accepted = mx.zeros((len(states),), dtype=mx.int32)
+        return _Decode(depths, width, targets, accepted, features, len(drafting))
+
+    def _sample_rows(self, logits: mx.array, states: list[_RowState]) -> mx.array:
+        """Every verify row sampled with its request's own sampler: [B, W, V] -> [B, W]."""
+        if all(s.params.greedy for s in states):
+            return mx.argmax(logits, axis=-1).astype(mx.int32)
+        rows = [sample(logits[i], s.params, s.next_key()) for i, s in enumerate(states)]
+        return mx.stack(rows)
+
+    def _commit(self, decode: _Decode, result: StepResult) -> None:
+        targets = decode.targets.tolist()
+        accepted = decode.accepted.tolist()
+        trims = [decode.width - a for a in accepted]
+        for layer_cache in self.cache:
+            layer_cache.trim_rows(trims)
+        for i, request_id in enumerate(self.rows):
+            state = self.states[request_id]
+            a = accepted[i]
+            committed = targets[i][: a + 1]
+            if state.session is not None:
+                cached = [state.anchor] + committed[:a]  # positions now in the target cache
+                self.drafter.commit(state.session, decode.features[i, : a + 1], cached)
+            state.anchor = committed[-1]
+            result.outcomes[request_id] = RowOutcome(committed, decode.depths[i], a)
+        result.batch_size = len(self.rows)
+        result.verify_tokens = len(self.rows) * (decode.width + 1)
+        result.drafted_rows = decode.drafted_rows
+
+    # ----------------------------------------------------------------- membership
+    def _admit(self, admission: Admission) -> None:
+        params = admission.params
+        self.states[admission.request_id] = _RowState(
+            request_id=admission.request_id,
+            prompt_ids=list(admission.prompt_ids),
+            params=params,
+            key=None if params.greedy else request_key(params.seed),
+            prefill_cache=[RaggedKVCache(1) for _ in self.target.layers],
+        )
+
+    def _join(self, request_id: str, first_token: int) -> int:
+        """A prefilled request joins the decode batch (copies its cache into the batch)."""
+        state = self.states[request_id]
+        for batch_cache, own in zip(self.cache, state.prefill_cache):
+            batch_cache.extend(own)
+        state.prefill_cache = None
+        self.rows.append(request_id)
+        if self.drafter is not None:
+            state.session = self.drafter.open(state.prompt_ids)
+            if state.prefill_features:
+                features = mx.concatenate(state.prefill_features, axis=0)
+                self.drafter.commit(state.session, features, state.prompt_ids)
+            state.prefill_features = []
+        state.anchor = first_token
+        return first_token
+
+    def _remove(self, request_id: str) -> None:
+        state = self.states.pop(request_id, None)
+        if state is None:
+            return
+        if request_id in self.rows:
+            keep = [i for i, r in enumerate(self.rows) if r != request_id]
+            for layer_cache in self.cache:
+                layer_cache.filter(keep)
+            self.rows = [self.rows[i] for i in keep]
+        if state.session is not None:
+            self.drafter.close(state.session)
+
+    # ----------------------------------------------------------------- facts
+    @property
+    def kv_bytes(self) -> int:
+        total = sum(c.nbytes for c in self.cache)
+        for state in self.states.values():
+            if state.prefill_cache:
+                total += sum(c.nbytes for c in state.prefill_cache)
+        drafter_cache = getattr(self.drafter, "cache", None) or []
+        return total + sum(c.nbytes for c in drafter_cache)
+
+    def cache_lengths(self) -> dict[str, int]:
+        """Target cache length of every decoding row (for invariant checks)."""
+        return dict(zip(self.rows, self.cache[0].lengths)) if self.cache else {}
+
+    def draft_rows(self) -> dict[str, tuple[int, int]]:
+        """(context rows, pending rows) of every decoding row's draft session."""
+        out = {}
+        for request_id in self.rows:
+            session = self.states[request_id].session
+            if session is not None:
+                out[request_id] = (session.context_rows, session.pending_rows)
+        return out
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one cached token costs in the target (for admission budgets)."""
+        model = self.target.model
+        args = getattr(model, "args", None)
+        n_kv = getattr(args, "num_key_value_heads", None) or getattr(args, "num_attention_heads", 1)
+        head_dim = getattr(args, "head_dim", None) or self.target.hidden_size // getattr(
+            args, "num_attention_heads", 1
+        )
+        itemsize = self.target.dtype.size
+        return 2 * self.target.num_layers * n_kv * head_dim * itemsize

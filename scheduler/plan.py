@@ -1,0 +1,63 @@
+"""What the scheduler asks the model runner to do in one step, and what comes back.
+
+The plan crosses from the asyncio loop to the MLX thread and the result comes back; both are
+plain data. Request ids are the only link between the two sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling import SamplingParams
+
+
+@dataclass
+class Admission:
+    """A request entering the runner: it will be prefilled, then join the decode batch."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class PrefillChunk:
+    """Prompt positions [start, end) of one request to run through the target this step."""
+
+    request_id: str
+    start: int
+    end: int
+    last: bool  # the prompt's final chunk: sample the first token and join the batch
+
+
+@dataclass
+class StepPlan:
+    removals: list[str] = field(default_factory=list)  # finished or aborted: free their rows
+    admissions: list[Admission] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    depths: dict[str, int] = field(default_factory=dict)  # every decoding request's verify depth
+
+    @property
+    def empty(self) -> bool:
+        return not (self.removals or self.admissions or self.prefills or self.depths)
+
+
+@dataclass
+class RowOutcome:
+    """One decoding request's step: tokens committed (accepted drafts + bonus)."""
+
+    tokens: list[int]
+    drafted: int
+    accepted: int
+
+
+@dataclass
+class StepResult:
+    first_tokens: dict[str, int] = field(default_factory=dict)  # prefill finished this step
+    outcomes: dict[str, RowOutcome] = field(default_factory=dict)
+    batch_size: int = 0  # decoding rows this step
+    verify_tokens: int = 0  # rows x verify width actually run through the target
+    drafted_rows: int = 0  # rows that drafted (0: the plain decode path ran)
+    prefill_tokens: int = 0
+    step_seconds: float = 0.0
+    kv_bytes: int = 0

@@ -1,0 +1,59 @@
+"""A request's life on the scheduler side: waiting -> prefilling -> running -> finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling import SamplingParams
+from engine.stopping import StopChecker
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no engine resources
+    PREFILLING = "prefilling"  # admitted; prompt going through the target chunk by chunk
+    RUNNING = "running"  # in the decode batch
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: StopChecker
+    status: RequestStatus = RequestStatus.WAITING
+    prefilled: int = 0  # prompt positions already through the target
+    finish_reason: str | None = None
+    # speculation stats
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    # timestamps (time.monotonic) for metrics
+    arrival_time: float = field(default_factory=time.monotonic)
+    admitted_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    # what has been streamed to the consumer so far
+    sent_tokens: int = 0
+    sent_text: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def generated(self) -> int:
+        return len(self.stop.token_ids)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Cache positions this request may come to hold (for the KV admission budget)."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    def finish(self, reason: str) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.finished_time = time.monotonic()

@@ -1,0 +1,197 @@
+"""Continuous batching: admission, chunked prefill under a token budget, per-request depths.
+
+The scheduler decides, the runner executes. It runs on the asyncio loop and never touches MLX:
+`plan()` builds the next step from the queues, `apply()` folds a step's result back into the
+requests (stop conditions, stats) and reports which requests changed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.errors import EngineOverloaded, InvalidRequest
+from scheduler.depth import DepthPolicy
+from scheduler.plan import Admission, PrefillChunk, StepPlan, StepResult
+from scheduler.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerLimits:
+    max_num_seqs: int = 32  # requests prefilling or decoding at once
+    max_waiting_requests: int = 256
+    max_waiting_prompt_tokens: int = 1 << 18
+    prefill_chunk_tokens: int = 256  # prompt tokens per step across all prefilling requests
+    kv_cache_bytes: int = 4 << 30  # budget for the target KV cache of admitted requests
+    bytes_per_token: int = 0  # KV bytes per cached token (0 = no memory budget)
+    max_model_len: int = 4096
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, policy: DepthPolicy, max_depth: int) -> None:
+        self.limits = limits
+        self.policy = policy
+        self.max_depth = max_depth
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._removals: list[str] = []
+        self._waiting_prompt_tokens = 0
+        self.last_depths: dict[str, int] = {}
+
+    # ----------------------------------------------------------------- intake
+    def check(self, prompt_len: int, max_tokens: int) -> None:
+        """Reject what can never be served (before it is queued)."""
+        limit = self.limits.max_model_len
+        if prompt_len == 0:
+            raise InvalidRequest("the prompt is empty")
+        if prompt_len + max_tokens > limit:
+            raise InvalidRequest(
+                f"this model's maximum context length is {limit} tokens, but "
+                f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, "
+                f"{max_tokens} for the completion); "
+                "shorten the prompt or lower max_tokens"
+            )
+        if self.limits.bytes_per_token:
+            need = (prompt_len + max_tokens) * self.limits.bytes_per_token
+            if need > self.limits.kv_cache_bytes:
+                raise InvalidRequest(
+                    f"the request needs {need >> 20} MiB of KV cache, more than the engine's "
+                    f"whole budget of {self.limits.kv_cache_bytes >> 20} MiB"
+                )
+
+    def add(self, request: Request) -> None:
+        """Queue a request, or raise EngineOverloaded at once when the queue is full."""
+        self.check(len(request.prompt_ids), request.params.max_tokens)
+        if request.request_id in self.requests:
+            raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+        if len(self.waiting) >= self.limits.max_waiting_requests:
+            raise EngineOverloaded(
+                f"{len(self.waiting)} requests are already waiting (limit "
+                f"{self.limits.max_waiting_requests}); retry later",
+                retry_after=self._retry_after(),
+            )
+        tokens = self._waiting_prompt_tokens + len(request.prompt_ids)
+        if self.waiting and tokens > self.limits.max_waiting_prompt_tokens:
+            raise EngineOverloaded(
+                f"{self._waiting_prompt_tokens} prompt tokens are already waiting (limit "
+                f"{self.limits.max_waiting_prompt_tokens}); retry later",
+                retry_after=self._retry_after(),
+            )
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+        self._waiting_prompt_tokens += len(request.prompt_ids)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request with reason "abort"; its engine resources go at the next step."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return None
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+            self._waiting_prompt_tokens -= len(request.prompt_ids)
+            del self.requests[request_id]
+        else:
+            self._retire(request)
+        request.finish("abort")
+        return request
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running or self._removals)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
+
+    # ----------------------------------------------------------------- planning
+    def plan(self) -> StepPlan:
+        plan = StepPlan(removals=self._removals)
+        self._removals = []
+        self._admit(plan)
+        budget = self.limits.prefill_chunk_tokens
+        for request in self.prefilling:
+            if budget <= 0:
+                break
+            end = min(len(request.prompt_ids), request.prefilled + budget)
+            if end == request.prefilled:
+                continue
+            last = end == len(request.prompt_ids)
+            plan.prefills.append(PrefillChunk(request.request_id, request.prefilled, end, last))
+            budget -= end - request.prefilled
+            request.prefilled = end
+        if self.running:
+            chosen = self.policy.choose(self.running, self.max_depth)
+            for request in self.running:
+                remaining = request.params.max_tokens - request.generated
+                plan.depths[request.request_id] = max(
+                    0, min(chosen[request.request_id], remaining - 1)
+                )
+        self.last_depths = dict(plan.depths)
+        return plan
+
+    def _admit(self, plan: StepPlan) -> None:
+        reserved = sum(r.reserved_tokens for r in self.prefilling + self.running)
+        while self.waiting and len(self.prefilling) + len(self.running) < self.limits.max_num_seqs:
+            request = self.waiting[0]
+            if self.limits.bytes_per_token:
+                need = (reserved + request.reserved_tokens) * self.limits.bytes_per_token
+                if need > self.limits.kv_cache_bytes:
+                    break  # wait for memory to free up
+            self.waiting.popleft()
+            self._waiting_prompt_tokens -= len(request.prompt_ids)
+            reserved += request.reserved_tokens
+            request.status = RequestStatus.PREFILLING
+            request.admitted_time = time.monotonic()
+            self.prefilling.append(request)
+            plan.admissions.append(
+                Admission(request.request_id, request.prompt_ids, request.params)
+            )
+
+    # ----------------------------------------------------------------- results
+    def apply(self, result: StepResult) -> list[Request]:
+        """Fold a step's result into the requests; return those with new output."""
+        now = time.monotonic()
+        changed: list[Request] = []
+        for request_id, token in result.first_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.finished:
+                continue  # aborted while the step ran; its removal is already queued
+            self.prefilling.remove(request)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.first_token_time = request.last_token_time = now
+            self._add_tokens(request, [token], changed)
+        for request_id, outcome in result.outcomes.items():
+            request = self.requests.get(request_id)
+            if request is None or request.finished:
+                continue
+            request.drafted += outcome.drafted
+            request.accepted += outcome.accepted
+            request.verify_steps += 1
+            request.last_token_time = now
+            self._add_tokens(request, outcome.tokens, changed)
+        self.policy.observe(result)
+        return changed
+
+    def _add_tokens(self, request: Request, tokens: list[int], changed: list[Request]) -> None:
+        request.stop.add(tokens)
+        if request.stop.finished:
+            self._retire(request)
+            request.finish(request.stop.finish_reason)
+        changed.append(request)
+
+    def _retire(self, request: Request) -> None:
+        """Take a request out of the batch bookkeeping and free its runner row next step."""
+        if request in self.prefilling:
+            self.prefilling.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        self.requests.pop(request.request_id, None)
+        self._removals.append(request.request_id)
+
+    def _retry_after(self) -> float:
+        """A rough hint for clients: seconds until the queue has likely moved on."""
+        return float(max(1, min(30, len(self.waiting) // max(1, self.limits.max_num_seqs))))

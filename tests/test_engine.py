@@ -1,0 +1,356 @@
+"""The engine core: continuous batching with per-request draft sessions, on real MLX models.
+
+Every feature is checked against plain mlx-lm decoding of the same prompt; invariants are
+checked after every step through the engine's step hooks."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from factories import ScriptedDrafter
+from mlx_lm.generate import generate_step
+
+from engine import (
+    AsyncEngine,
+    EngineClosed,
+    EngineConfig,
+    EngineOverloaded,
+    InvalidRequest,
+    SamplingParams,
+    TargetAdapter,
+)
+from engine.loading import load_target_model
+from engine.runner import ModelRunner
+
+
+def plain_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    steps = generate_step(
+        mx.array(prompt_ids), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
+    )
+    return [int(token) for token, _ in steps]
+
+
+class ScriptedEngine(AsyncEngine):
+    """The engine with a scripted drafter (knows each request's continuation), so partial,
+    full and zero acceptance happen in batched steps."""
+
+    def __init__(self, config: EngineConfig, references, vocab_size, script, **kw) -> None:
+        super().__init__(config, **kw)
+        self._scripted = (references, vocab_size, script)
+
+    def _load(self):
+        model, tokenizer = load_target_model(self.config.target)
+        drafter = ScriptedDrafter(*self._scripted, strict=False)
+        return ModelRunner(TargetAdapter(model, [1]), drafter), tokenizer
+
+
+def check_invariants(engine: AsyncEngine):
+    """After every step: target cache = committed - 1; drafter context + pending = target."""
+    failures: list[str] = []
+
+    def hook(result) -> None:
+        lengths = engine._runner.cache_lengths()
+        draft_rows = engine._runner.draft_rows()
+        for request in engine.scheduler.running:
+            committed = len(request.prompt_ids) + request.generated
+            length = lengths[request.request_id]
+            if length != committed - 1:
+                failures.append(
+                    f"{request.request_id}: cache {length} != committed-1 {committed - 1}"
+                )
+            if request.request_id in draft_rows:
+                context, pending = draft_rows[request.request_id]
+                if context + pending != length:
+                    failures.append(f"{request.request_id}: draft {context}+{pending} != {length}")
+
+    engine.step_hooks.append(hook)
+    return failures
+
+
+async def wait_idle(engine: AsyncEngine) -> None:
+    for _ in range(500):
+        if engine.idle:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("engine did not become idle")
+
+
+def random_requests(n: int, vocab: int, seed: int):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))]
+        max_tokens = rng.randint(1, 28)
+        depth = rng.choice([None, 0, 1, 3, 5])
+        delay = rng.uniform(0, 0.3)
+        out.append((f"r{i}", prompt, max_tokens, depth, delay))
+    return out
+
+
+async def run_all(engine: AsyncEngine, requests, **params):
+    async def one(request_id, prompt, max_tokens, depth, delay):
+        await asyncio.sleep(delay)
+        sp = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=depth, **params
+        )
+        tokens, last = [], None
+        async for out in engine.generate(prompt, sp, request_id=request_id):
+            tokens += out.token_ids
+            last = out
+        return tokens, last
+
+    return await asyncio.gather(*[one(*r) for r in requests])
+
+
+@pytest.mark.parametrize("target_name", ["qwen3", "llama"])
+async def test_batch_invariance_with_dflash(
+    target_name, qwen3_target_dir, llama_target_dir, drafter_dir, vocab_size
+):
+    target_dir = qwen3_target_dir if target_name == "qwen3" else llama_target_dir
+    requests = random_requests(24, vocab_size, seed=1)
+    config = EngineConfig(
+        target=str(target_dir), drafter=str(drafter_dir), max_num_seqs=8, prefill_chunk_tokens=16
+    )
+    async with AsyncEngine(config) as engine:
+        failures = check_invariants(engine)
+        results = await run_all(engine, requests)
+        await wait_idle(engine)
+        assert engine.kv_bytes() == 0
+    assert not failures, failures[:5]
+    model, _ = load_target_model(target_dir)
+    for (request_id, prompt, max_tokens, depth, _), (tokens, last) in zip(requests, results):
+        assert tokens == plain_greedy(model, prompt, max_tokens), request_id
+        assert last.finish_reason == "length" and last.completion_tokens == max_tokens
+        if depth == 0 or max_tokens == 1:
+            assert last.drafted_tokens == 0
+
+
+async def test_batch_invariance_with_accepted_drafts(qwen3_target_dir, vocab_size):
+    """Rows accept different numbers of drafts in the same step; output stays exact."""
+    requests = random_requests(24, vocab_size, seed=2)
+    model, _ = load_target_model(qwen3_target_dir)
+    references = [p + plain_greedy(model, p, m) for _, p, m, _, _ in requests]
+    config = EngineConfig(target=str(qwen3_target_dir), max_num_seqs=10, prefill_chunk_tokens=24)
+    engine = ScriptedEngine(config, references, vocab_size, [7, 2, 0, 5, 1])
+    async with engine:
+        failures = check_invariants(engine)
+        results = await run_all(engine, requests)
+        await wait_idle(engine)
+        assert engine.kv_bytes() == 0
+    assert not failures, failures[:5]
+    accepted = 0
+    for reference, (_, prompt, _, _, _), (tokens, last) in zip(references, requests, results):
+        assert tokens == reference[len(prompt) :]
+        accepted += last.accepted_tokens
+    assert accepted > 100
+
+
+async def test_depth_zero_runs_the_plain_path_without_drafter_forwards(
+    qwen3_target_dir, drafter_dir
+):
+    config = EngineConfig(
+        target=str(qwen3_target_dir), drafter=str(drafter_dir), num_speculative_tokens=0
+    )
+    async with AsyncEngine(config) as engine:
+        drafter = engine._runner.drafter
+        calls = []
+        original = drafter.propose
+        drafter.propose = lambda *a, **k: calls.append(1) or original(*a, **k)
+        drafted_rows = []
+        engine.step_hooks.append(lambda r: drafted_rows.append(r.drafted_rows))
+        results = await run_all(engine, [(f"p{i}", [5, 6, 7 + i], 12, None, 0) for i in range(4)])
+    assert calls == [] and set(drafted_rows) == {0}
+    assert all(last.drafted_tokens == 0 for _, last in results)
+
+
+# chi-square critical values at alpha = 0.001 by degrees of freedom
+_CHI2_CRITICAL = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26]
+
+
+def _chi_square(a: list[int], b: list[int]) -> tuple[float, int]:
+    stat = 0.0
+    for c in set(a) | set(b):
+        na, nb = a.count(c), b.count(c)
+        e = (na + nb) / 2
+        stat += (na - e) ** 2 / e + (nb - e) ** 2 / e
+    return stat, len(set(a) | set(b)) - 1
+
+
+async def test_batched_speculative_sampling_matches_plain_sampling(qwen3_target_dir, vocab_size):
+    prompt = [5, 17, 99]
+    model, _ = load_target_model(qwen3_target_dir)
+    greedy = prompt + plain_greedy(model, prompt, 8)
+    runs = 600
+    params = dict(max_tokens=4, temperature=1.0, top_k=2, ignore_eos=True)
+    config = EngineConfig(target=str(qwen3_target_dir), max_num_seqs=32, max_waiting_requests=runs)
+
+    async def sample_all(engine, seed_base, depth):
+        async def one(i):
+            sp = SamplingParams(seed=seed_base + i, num_speculative_tokens=depth, **params)
+            tokens, last = [], None
+            async for out in engine.generate(prompt, sp):
+                tokens += out.token_ids
+                last = out
+            return tokens, last.accepted_tokens
+
+        return await asyncio.gather(*[one(i) for i in range(runs)])
+
+    async with ScriptedEngine(config, [greedy], vocab_size, [7]) as engine:
+        plain = await sample_all(engine, 0, 0)
+        speculative = await sample_all(engine, 100_000, None)
+    assert sum(a for _, a in speculative) > runs // 4
+    for position in (1, 2, 3):
+        stat, dof = _chi_square(
+            [t[position] for t, _ in plain], [t[position] for t, _ in speculative]
+        )
+        assert stat < _CHI2_CRITICAL[min(dof, 11) - 1], (position, stat, dof)
+
+
+async def test_aborts_and_cancellation_leak_nothing(qwen3_target_dir, drafter_dir):
+    config = EngineConfig(
+        target=str(qwen3_target_dir),
+        drafter=str(drafter_dir),
+        max_num_seqs=4,
+        prefill_chunk_tokens=8,
+    )
+    async with AsyncEngine(config) as engine:
+        # before admission: queue more than max_num_seqs, abort a waiting one
+        long_prompt = list(range(3, 60))
+        ids = [
+            engine.add_request(long_prompt, SamplingParams(max_tokens=30), f"a{i}")
+            for i in range(6)
+        ]
+        engine.abort("a5")
+        await asyncio.sleep(0)
+        # mid-prefill (8 tokens per step for a 57-token prompt) and mid-decode
+        for _ in range(3):
+            await asyncio.sleep(0.005)
+        engine.abort("a0")
+        engine.abort("a1")
+        outputs = {}
+        for request_id, stream in ids:
+            async with stream:
+                outputs[request_id] = [o async for o in stream]
+        assert outputs["a5"][-1].finish_reason == "abort"
+        assert outputs["a0"][-1].finish_reason == "abort"
+        assert outputs["a2"][-1].finish_reason == "length"
+
+        # consumer cancellation mid-stream
+        async def consume():
+            async for _ in engine.generate(
+                [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True)
+            ):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_idle(engine)
+        assert engine.kv_bytes() == 0 and not engine._runner.states
+
+        # still serving
+        results = await run_all(engine, [("after", [9, 10, 11], 5, None, 0)])
+        assert len(results[0][0]) == 5
+
+
+async def test_stress_with_random_aborts(qwen3_target_dir, drafter_dir, vocab_size):
+    rng = random.Random(7)
+    config = EngineConfig(
+        target=str(qwen3_target_dir), drafter=str(drafter_dir), max_num_seqs=16,
+        prefill_chunk_tokens=32, max_waiting_requests=400,
+    )  # fmt: skip
+    async with AsyncEngine(config) as engine:
+        failures = check_invariants(engine)
+
+        async def one(i):
+            prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randint(1, 30))]
+            params = SamplingParams(max_tokens=rng.randint(1, 16), ignore_eos=True,
+                                    temperature=rng.choice([0.0, 1.0]), seed=i)  # fmt: skip
+            abort_after = rng.choice([None, None, 0, 1, 3])
+            count = 0
+            agen = engine.generate(prompt, params)
+            try:
+                async for out in agen:
+                    count += 1
+                    if abort_after is not None and count > abort_after:
+                        break
+                    if out.finished:
+                        return out.finish_reason
+            finally:
+                await agen.aclose()
+            return "aborted"
+
+        reasons = await asyncio.gather(*[one(i) for i in range(300)])
+        await wait_idle(engine)
+        assert engine.kv_bytes() == 0 and not engine._runner.states and not engine._runner.rows
+        assert not engine.scheduler.requests
+    assert not failures, failures[:5]
+    assert reasons.count("length") > 100 and reasons.count("aborted") > 30
+
+
+async def test_overload_and_invalid_requests_fail_fast(qwen3_target_dir):
+    config = EngineConfig(
+        target=str(qwen3_target_dir), max_num_seqs=1, max_waiting_requests=2, max_model_len=64
+    )
+    async with AsyncEngine(config) as engine:
+        steps_before = engine.step_count
+        with pytest.raises(InvalidRequest, match="maximum context length is 64"):
+            engine.add_request(list(range(3, 63)), SamplingParams(max_tokens=10))
+        with pytest.raises(InvalidRequest, match="temperature"):
+            engine.add_request([5], SamplingParams(temperature=-1))
+        with pytest.raises(InvalidRequest, match="token ids"):
+            engine.add_request([10**6], SamplingParams())
+        with pytest.raises(InvalidRequest, match="empty"):
+            engine.add_request([], SamplingParams())
+        assert engine.step_count == steps_before  # nothing reached the MLX thread
+        streams = [  # fills the queue (2 waiting)
+            engine.add_request([5, 6], SamplingParams(max_tokens=20), f"q{i}") for i in range(2)
+        ]
+        with pytest.raises(EngineOverloaded) as overloaded:
+            engine.add_request([5, 6], SamplingParams(max_tokens=20))
+        assert overloaded.value.retry_after >= 1
+        for _, stream in streams:
+            async with stream:
+                assert [o async for o in stream][-1].finish_reason == "length"
+
+
+async def test_shutdown_drains_then_closes(qwen3_target_dir):
+    engine = AsyncEngine(EngineConfig(target=str(qwen3_target_dir)))
+    await engine.start()
+    _, stream = engine.add_request([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
+    await engine.shutdown(drain_timeout=30)
+    async with stream:
+        outputs = [o async for o in stream]
+    assert outputs[-1].finish_reason == "length" and outputs[-1].completion_tokens == 20
+    with pytest.raises(EngineClosed):
+        engine.add_request([5], SamplingParams())
+
+
+async def test_stop_strings_stream_without_leaking_the_stop(qwen3_target_dir):
+    async with AsyncEngine(EngineConfig(target=str(qwen3_target_dir))) as engine:
+        full = ""
+        async for out in engine.generate(
+            "def f(x):", SamplingParams(max_tokens=30, ignore_eos=True)
+        ):
+            full += out.text
+        stop = full[6:9]
+        streamed = ""
+        async for out in engine.generate(
+            "def f(x):", SamplingParams(max_tokens=30, stop=[stop], ignore_eos=True)
+        ):
+            streamed += out.text
+        assert out.finish_reason == "stop"
+        assert streamed == full[: full.index(stop)]
+
+
+def test_engine_config_defaults_are_sane(tmp_path: Path):
+    config = EngineConfig(target=str(tmp_path))
+    config.validate()
+    with pytest.raises(ValueError):
+        EngineConfig(target="x", max_num_seqs=0).validate()

@@ -2,9 +2,16 @@
 
     python -m engine.bundled.build [--work-dir DIR] [--steps N] [--stages corpus,tokenizer,pretrain]
 
-Stages done so far: corpus (stdlib train/held-out split), tokenizer (byte-level BPE), pretrain
-(Qwen3 target). Drafter data, drafter training (`flashbatch train-drafter`), export into the
-package and the model card follow in the bundled-pair issue.
+Stages, in order (each resumes from what its work directory holds):
+  corpus          stdlib files split into train / held-out (hash of the relative path)
+  tokenizer       byte-level BPE on the train files
+  pretrain        the Qwen3 target, from scratch
+  export-target   target + tokenizer into engine/bundled/target (bf16 storage)
+  workloads       completion / editing / prose prompts from the held-out files
+  data            the target's own greedy continuations of training-file prompts
+  drafter         DFlash drafter training (block 16)
+  export-drafter  drafter into engine/bundled/drafter
+  eval            tau per workload and tokens/s against mlx-lm, written to eval.json
 """
 
 from __future__ import annotations
@@ -13,15 +20,21 @@ import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
 
 # isort: split
 import argparse
+import json
 from pathlib import Path
 
+from engine.bundled import pair
 from engine.bundled.pretrain import (
     PretrainConfig,
     TargetSize,
     pretrain_target,
+    read_files,
     split_corpus,
     train_tokenizer,
 )
+from engine.bundled.workloads import build_workloads, load_workloads, save_workloads
+
+WORKLOADS_FILE = Path(__file__).with_name("workloads.json")
 
 DEFAULT_WORK_DIR = Path.home() / ".cache" / "flashbatch" / "bundle-build"
 
@@ -31,7 +44,12 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
-    parser.add_argument("--stages", default="corpus,tokenizer,pretrain")
+    parser.add_argument(
+        "--stages",
+        default="corpus,tokenizer,pretrain,export-target,workloads,data,drafter,export-drafter,eval",
+    )
+    parser.add_argument("--data-prompts", type=int, default=2000)
+    parser.add_argument("--drafter-steps", type=int, default=400)
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=PretrainConfig.steps)
     parser.add_argument("--checkpoint-every", type=int, default=PretrainConfig.checkpoint_every)
@@ -45,6 +63,22 @@ def main(argv: list[str] | None = None) -> None:
     if "pretrain" in stages:
         config = PretrainConfig(steps=args.steps, checkpoint_every=args.checkpoint_every)
         print(f"target checkpoint: {pretrain_target(args.work_dir, TargetSize(), config)}")
+    target_dir, drafter_dir = pair.bundled_paths()
+    if "export-target" in stages:
+        print(f"target exported to {pair.export_target(args.work_dir)}")
+    if "workloads" in stages:
+        sources = read_files(split_corpus(args.work_dir), "held_out")
+        save_workloads(build_workloads(sources), WORKLOADS_FILE)
+        print(f"workloads written to {WORKLOADS_FILE}")
+    if "data" in stages:
+        pair.generate_drafter_data(args.work_dir, target_dir, args.data_prompts)
+    if "drafter" in stages:
+        pair.train_bundled_drafter(args.work_dir, target_dir, args.drafter_steps)
+    if "export-drafter" in stages:
+        print(f"drafter exported to {pair.export_drafter(args.work_dir)}")
+    if "eval" in stages:
+        results = pair.evaluate_pair(target_dir, drafter_dir, load_workloads(WORKLOADS_FILE))
+        (args.work_dir / "eval.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

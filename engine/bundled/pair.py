@@ -1,0 +1,207 @@
+"""Stages 4-7 of the bundled pair's build: export the target, drafter data from the target
+itself (batched through the engine), drafter training, export and evaluation.
+
+The exported weights are stored in bfloat16 (half the bytes of float32; CPUs compute in float32
+after loading) and sharded so no file is large.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from engine.bundled.pretrain import read_files, split_corpus
+
+PACKAGE_DIR = Path(__file__).parent
+BUNDLED_TARGET = PACKAGE_DIR / "target"
+BUNDLED_DRAFTER = PACKAGE_DIR / "drafter"
+MASK_TOKEN = "<|mask|>"
+SHARD_BYTES = 12 << 20
+
+
+def bundled_paths() -> tuple[Path, Path]:
+    """Directories of the bundled target and drafter (they exist once the pair is built)."""
+    return BUNDLED_TARGET, BUNDLED_DRAFTER
+
+
+def save_sharded(weights: dict[str, mx.array], directory: Path, dtype: mx.Dtype) -> None:
+    """Write `model-0000k-of-0000n.safetensors` shards of at most SHARD_BYTES each."""
+    for old in directory.glob("model*.safetensors"):
+        old.unlink()
+    shards: list[dict[str, mx.array]] = [{}]
+    size = 0
+    for name, value in sorted(weights.items()):
+        value = value.astype(dtype)
+        if size and size + value.nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        mx.save_safetensors(str(directory / name), shard, metadata={"format": "mlx"})
+
+
+def export_target(work: Path, dest: Path = BUNDLED_TARGET) -> Path:
+    """The pretrained target as an mlx-lm model directory with its tokenizer (bf16 storage)."""
+    source = work / "pretrain"
+    dest.mkdir(parents=True, exist_ok=True)
+    weights = mx.load(str(source / "model.safetensors"))
+    save_sharded(weights, dest, mx.bfloat16)
+    config = json.loads((source / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for file in (work / "tokenizer").iterdir():
+        shutil.copy(file, dest / file.name)
+    return dest
+
+
+# ----------------------------------------------------------------------------- drafter data
+def data_prompts(work: Path, count: int, seed: int = 0, chars: int = 400) -> list[str]:
+    """Prompts cut from the *training* files at random line starts."""
+    texts = [t for t in read_files(split_corpus(work), "train") if len(t) > 2 * chars]
+    rng = random.Random(seed)
+    prompts = []
+    while len(prompts) < count:
+        text = rng.choice(texts)
+        start = text.rfind("\n", 0, rng.randrange(0, len(text) - chars)) + 1
+        prompts.append(text[start : start + rng.randint(chars // 4, chars)])
+    return prompts
+
+
+async def _generate_records(target_dir: Path, prompts: list[str], max_tokens: int, out, log):
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.sampling import SamplingParams
+
+    config = EngineConfig(target=str(target_dir), max_num_seqs=32, max_waiting_requests=10**6)
+    started, produced = time.perf_counter(), 0
+    async with AsyncEngine(config) as engine:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+        async def one(prompt: str) -> None:
+            nonlocal produced
+            prompt_ids = list(engine.tokenizer.encode(prompt))
+            tokens: list[int] = []
+            async for output in engine.generate(prompt_ids, params):
+                tokens += output.token_ids
+            record = {
+                "prompt": prompt,
+                "prompt_tokens": len(prompt_ids),
+                "tokens": prompt_ids + tokens,
+            }
+            out.write(json.dumps(record) + "\n")
+            produced += len(tokens)
+
+        for i in range(0, len(prompts), 256):
+            await asyncio.gather(*[one(p) for p in prompts[i : i + 256]])
+            out.flush()
+            rate = produced / (time.perf_counter() - started)
+            log(f"data: {i + len(prompts[i : i + 256])}/{len(prompts)} prompts ({rate:.0f} tok/s)")
+
+
+def generate_drafter_data(
+    work: Path, target_dir: Path, count: int, max_tokens: int = 160, log=print
+) -> Path:
+    """The target's own greedy continuations of training-file prompts (JSONL, resumable)."""
+    out_path = work / "drafter_data.jsonl"
+    done = set()
+    if out_path.exists():
+        lines = out_path.read_text().splitlines(keepends=True)
+        complete = [line for line in lines if line.endswith("\n")]
+        out_path.write_text("".join(complete))
+        done = {json.loads(line)["prompt"] for line in complete}
+    todo = [p for p in data_prompts(work, count) if p not in done]
+    if todo:
+        with out_path.open("a") as out:
+            asyncio.run(_generate_records(target_dir, todo, max_tokens, out, log))
+    return out_path
+
+
+# ----------------------------------------------------------------------------- drafter
+def train_bundled_drafter(
+    work: Path, target_dir: Path, steps: int, num_layers: int = 2, num_features: int = 3, log=print
+):
+    from drafters.dflash.train import TrainConfig, drafter_config_for_target, load_sequences, train
+    from engine.loading import load_target_model
+    from engine.target import TargetAdapter
+
+    out_dir = work / "drafter"
+    config = TrainConfig(
+        steps=steps, batch_size=4, lr=1e-3, num_anchors=48, max_len=512,
+        out_dir=str(out_dir), resume=True, checkpoint_every=50, progress=False, log_every=10,
+    )  # fmt: skip
+    raw = json.loads((target_dir / "config.json").read_text())
+    vocab = json.loads((target_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    drafter_config = drafter_config_for_target(
+        raw, num_layers=num_layers, block_size=16, num_features=num_features,
+        mask_token_id=vocab[MASK_TOKEN],
+    )  # fmt: skip
+    model, _ = load_target_model(target_dir)
+    target = TargetAdapter(model, drafter_config.target_layer_ids)
+    sequences = load_sequences(work / "drafter_data.jsonl", config.max_len)
+    log(f"drafter: {len(sequences)} sequences, {steps} steps of {config.batch_size}")
+    return train(target, sequences, config, drafter_config)
+
+
+def export_drafter(work: Path, dest: Path = BUNDLED_DRAFTER) -> Path:
+    from drafters.dflash.checkpoint import load_dflash_model
+
+    model = load_dflash_model(work / "drafter")
+    dest.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config["torch_dtype"] = "bfloat16"
+    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_sharded(dict(tree_flatten(model.parameters())), dest, mx.bfloat16)
+    return dest
+
+
+# ----------------------------------------------------------------------------- evaluation
+def evaluate_pair(
+    target_dir: Path, drafter_dir: Path, workloads: dict[str, list[str]], prompts: int = 12,
+    max_tokens: int = 128, log=print,
+) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Greedy, block 16, one request at a time: tau per workload, and tokens/s of speculative
+    decoding against mlx-lm's plain `stream_generate` on the same target, interleaved."""
+    from mlx_lm import stream_generate
+
+    from engine.loading import load_pair
+    from engine.sampling import SamplingParams
+    from engine.speculative import generate
+
+    pair = load_pair(target_dir, drafter_dir)
+    tokenizer = pair.tokenizer
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    results = {}
+    for name, texts in workloads.items():
+        committed = steps = spec_tokens = plain_tokens = 0
+        spec_time = plain_time = 0.0
+        for text in texts[:prompts]:
+            ids = list(tokenizer.encode(text))
+            started = time.perf_counter()
+            out = generate(pair.target, ids, params, drafter=pair.drafter)
+            spec_time += time.perf_counter() - started
+            spec_tokens += len(out.token_ids)
+            committed += sum(s.committed for s in out.steps)
+            steps += len(out.steps)
+            started = time.perf_counter()
+            n = 0
+            for _ in stream_generate(pair.target.model, tokenizer, ids, max_tokens=max_tokens):
+                n += 1
+            plain_time += time.perf_counter() - started
+            plain_tokens += n
+        results[name] = {
+            "tau": committed / steps,
+            "spec_tok_s": spec_tokens / spec_time,
+            "mlx_lm_tok_s": plain_tokens / plain_time,
+            "speedup": (spec_tokens / spec_time) / (plain_tokens / plain_time),
+        }
+        log(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[name].items()))
+    return results

@@ -27,6 +27,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineClosed, InvalidRequest
 from engine.sampling import SamplingParams
 from engine.stopping import StopChecker
+from metrics import EngineMetrics
 from scheduler.depth import DepthPolicy, FixedDepthPolicy
 from scheduler.plan import StepResult
 from scheduler.request import Request
@@ -58,11 +59,13 @@ class AsyncEngine:
         self.config = config
         self.model_name = config.model_name or Path(config.target).name
         self._policy = depth_policy or FixedDepthPolicy(config.num_speculative_tokens)
+        self.metrics = EngineMetrics(self.model_name)
         self._executor: ThreadPoolExecutor | None = None
         self._runner: Any = None
         self.tokenizer: Any = None
         self.scheduler: Scheduler | None = None
         self._streams: dict[str, Any] = {}
+        self._last_delta: dict[str, float | None] = {}  # request id -> time of its last delta
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._accepting = False
@@ -108,7 +111,8 @@ class AsyncEngine:
 
         report_blas(log)
         pair = load_pair(self.config.target, self.config.drafter)
-        return ModelRunner(pair.target, pair.drafter), pair.tokenizer
+        runner = ModelRunner(pair.target, pair.drafter, profile_phases=self.config.profile_phases)
+        return runner, pair.tokenizer
 
     async def shutdown(self, drain_timeout: float | None = 0.0) -> None:
         """Stop accepting requests; let in-flight ones finish for up to `drain_timeout`
@@ -168,6 +172,7 @@ class AsyncEngine:
         eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
         request = Request(request_id, prompt_ids, params, StopChecker(params, eos, self.tokenizer))
         self.scheduler.add(request)
+        self._record_queue()
         send, receive = anyio.create_memory_object_stream(math.inf)
         self._streams[request_id] = send
         self._wakeup.set()
@@ -200,7 +205,13 @@ class AsyncEngine:
         request = self.scheduler.abort(request_id)
         if request is not None:
             self._emit(request)
+            self._record_queue()
         self._wakeup.set()
+
+    def _record_queue(self) -> None:
+        scheduler = self.scheduler
+        running = len(scheduler.prefilling) + len(scheduler.running)
+        self.metrics.on_queue(waiting=len(scheduler.waiting), running=running)
 
     # ----------------------------------------------------------------- the loop
     async def _run(self) -> None:
@@ -230,6 +241,10 @@ class AsyncEngine:
             self.last_result = result
             for request in scheduler.apply(result):
                 self._emit(request)
+            self.metrics.on_step(
+                result, scheduler.last_depths, scheduler.last_parked, self.config.kv_cache_bytes
+            )
+            self._record_queue()
             for hook in self.step_hooks:
                 hook(result)
 
@@ -253,6 +268,18 @@ class AsyncEngine:
         new_text = text[request.sent_text : max(request.sent_text, visible)]
         request.sent_tokens = len(tokens)
         request.sent_text += len(new_text)
+        now = request.last_token_time
+        if new_tokens:
+            since = (
+                None
+                if self._last_delta.get(request.request_id) is None
+                else (now - self._last_delta[request.request_id])
+            )
+            self.metrics.on_delta(len(new_tokens), since)
+            self._last_delta[request.request_id] = now
+        if request.finished:
+            self._last_delta.pop(request.request_id, None)
+            self.metrics.on_finish(request)
         output = RequestOutput(
             request_id=request.request_id,
             text=new_text,

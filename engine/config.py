@@ -18,6 +18,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     prefill_chunk_tokens: int = 256  # prompt tokens per step, so prefills do not stall decoders
     kv_cache_bytes: int = 4 << 30  # target KV cache budget for admitted requests
     num_speculative_tokens: int | None = None  # fixed depth; None = block size - 1; 0 = off
+    profile_phases: bool = False  # time draft and verify apart (costs one extra sync per step)
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:

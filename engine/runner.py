@@ -62,9 +62,14 @@ class _Decode:
 class ModelRunner:
     """Owns the batched target cache (one row per decoding request) and the drafter."""
 
-    def __init__(self, target: TargetAdapter, drafter: Drafter | None = None) -> None:
+    def __init__(
+        self, target: TargetAdapter, drafter: Drafter | None = None, profile_phases: bool = False
+    ) -> None:
         self.target = target
         self.drafter = drafter
+        # Profiling adds a host sync after the draft forward to time it apart from the verify.
+        self.profile_phases = profile_phases
+        self._draft_seconds = 0.0
         self.cache: list[RaggedKVCache] = [RaggedKVCache(0) for _ in target.layers]
         self.rows: list[str] = []  # request ids in batch-row order
         self.states: dict[str, _RowState] = {}
@@ -95,6 +100,7 @@ class ModelRunner:
                 )[0]
             prefill_tokens += chunk.end - chunk.start
 
+        self._draft_seconds = 0.0
         decode = self._decode(plan.depths) if self.rows else None
 
         # The step's one host synchronisation.
@@ -103,6 +109,7 @@ class ModelRunner:
             [] if decode is None else [decode.targets, decode.accepted],
             [c.state for s in self.states.values() if s.prefill_cache for c in s.prefill_cache],
         )
+        computed = time.perf_counter()
 
         result = StepResult(prefill_tokens=prefill_tokens)
         if decode is not None:
@@ -110,7 +117,19 @@ class ModelRunner:
         for request_id, token in first_tokens.items():
             result.first_tokens[request_id] = self._join(request_id, int(token.item()))
         result.kv_bytes = self.kv_bytes
-        result.step_seconds = time.perf_counter() - started
+        finished = time.perf_counter()
+        result.step_seconds = finished - started
+        forward = computed - started
+        if self.profile_phases:
+            result.phase_seconds = {
+                "draft": self._draft_seconds,
+                "verify": forward - self._draft_seconds,
+                "commit": finished - computed,
+            }
+        else:
+            result.phase_seconds = {"forward": forward, "commit": finished - computed}
+        result.memory_active = mx.get_active_memory()
+        result.memory_peak = mx.get_peak_memory()
         return result
 
     # ----------------------------------------------------------------- decode
@@ -127,6 +146,10 @@ class ModelRunner:
                 [depths[i] for i in drafting],
             )
             drafts = candidates.tokens[:, :width]
+            if self.profile_phases:
+                draft_started = time.perf_counter()
+                mx.eval(drafts)
+                self._draft_seconds = time.perf_counter() - draft_started
             if len(drafting) < len(states):  # rows that do not draft carry padding
                 full = mx.zeros((len(states), width), dtype=mx.int32)
                 full[mx.array(drafting)] = drafts

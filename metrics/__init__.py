@@ -1,4 +1,11 @@
-"""Prometheus metric definitions and recording (the only place that imports prometheus_client).
+"""Prometheus metrics: definitions and recording (the only place that imports prometheus_client).
 
-Arrives with the serve-and-observe issue; nothing here yet.
+Names mirror vLLM's (prefix `flashbatch_` instead of `vllm:`) so existing dashboards and
+autoscalers carry over; beyond vLLM: chosen draft depth per request-step, steps with drafting
+parked by reason, step time by phase, batch size and MLX memory. Every metric has the label
+`model_name`. Recording happens on the asyncio loop, never on the MLX thread.
 """
+
+from metrics.engine_metrics import METRIC_NAMES, EngineMetrics
+
+__all__ = ["EngineMetrics", "METRIC_NAMES"]

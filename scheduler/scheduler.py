@@ -40,6 +40,7 @@ class Scheduler:
         self._removals: list[str] = []
         self._waiting_prompt_tokens = 0
         self.last_depths: dict[str, int] = {}
+        self.last_parked: dict[str, str] = {}  # request id -> why it decodes without drafting
 
     # ----------------------------------------------------------------- intake
     def check(self, prompt_len: int, max_tokens: int) -> None:
@@ -122,15 +123,30 @@ class Scheduler:
             plan.prefills.append(PrefillChunk(request.request_id, request.prefilled, end, last))
             budget -= end - request.prefilled
             request.prefilled = end
+        self.last_parked = {}
         if self.running:
             chosen = self.policy.choose(self.running, self.max_depth)
             for request in self.running:
                 remaining = request.params.max_tokens - request.generated
-                plan.depths[request.request_id] = max(
-                    0, min(chosen[request.request_id], remaining - 1)
-                )
+                depth = max(0, min(chosen[request.request_id], remaining - 1))
+                plan.depths[request.request_id] = depth
+                if depth == 0:
+                    self.last_parked[request.request_id] = self._parked_reason(
+                        request, chosen[request.request_id]
+                    )
         self.last_depths = dict(plan.depths)
         return plan
+
+    def _parked_reason(self, request: Request, chosen: int) -> str:
+        """Why a request decodes without drafting this step (a metric label)."""
+        if self.max_depth == 0:
+            return "no_drafter"
+        if request.params.num_speculative_tokens == 0:
+            return "request_disabled"
+        if chosen > 0:
+            return "token_budget"  # one token left: nothing to draft for
+        reason = getattr(self.policy, "parked_reasons", {}).get(request.request_id)
+        return reason or "policy"
 
     def _admit(self, plan: StepPlan) -> None:
         reserved = sum(r.reserved_tokens for r in self.prefilling + self.running)

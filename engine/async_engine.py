@@ -186,6 +186,15 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Cancelling or leaving the iteration aborts it."""
         request_id, stream = self.add_request(prompt, params, request_id)
+        outputs = self.outputs(request_id, stream)
+        try:
+            async for output in outputs:
+                yield output
+        finally:
+            await outputs.aclose()  # runs its abort-on-exit now, not at garbage collection
+
+    async def outputs(self, request_id: str, stream: Any) -> AsyncIterator[RequestOutput]:
+        """The outputs of a request queued with `add_request`; leaving early aborts it."""
         finished = False
         try:
             async with stream:

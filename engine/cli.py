@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
+from typing import Any
 
 import engine  # noqa: F401  (fast BLAS before mlx)
 
@@ -96,9 +98,93 @@ def _train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env(name: str, default: Any = None, kind: type = str) -> Any:
+    value = os.environ.get(f"FLASHBATCH_{name}")
+    return default if value in (None, "") else kind(value)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from engine.async_engine import AsyncEngine
+    from engine.bundled.pair import bundled_paths
+    from engine.config import EngineConfig
+    from engine.server import ServerSettings, serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    target, drafter = args.target, args.drafter
+    if target is None:
+        bundled_target, bundled_drafter = bundled_paths()
+        if not (bundled_target / "config.json").is_file():
+            print("no model to serve: pass --target (the bundled pair is not built in this "
+                  "checkout; see `python -m engine.bundled.build`)", file=sys.stderr)  # fmt: skip
+            return 2
+        target = str(bundled_target)
+        if drafter is None and (bundled_drafter / "config.json").is_file():
+            drafter = str(bundled_drafter)
+    config = EngineConfig(
+        target=target,
+        drafter=None if drafter in (None, "", "none") else drafter,
+        model_name=args.served_model_name,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_waiting_requests=args.max_waiting_requests,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
+    )
+    settings = ServerSettings(
+        api_key=args.api_key,
+        protect_metrics=args.protect_metrics,
+        max_body_bytes=args.max_body_bytes,
+        max_tokens_cap=args.max_tokens_cap,
+        drain_timeout=args.drain_timeout,
+    )
+    serve(AsyncEngine(config), settings, args.host, args.port, args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (the bundled pair when no --target is given)",
+        description="Every flag also reads FLASHBATCH_<NAME> from the environment.",
+    )
+    srv.add_argument("--target", default=_env("TARGET"), help="mlx-lm model directory")
+    srv.add_argument("--drafter", default=_env("DRAFTER"), help="DFlash drafter ('none': off)")
+    srv.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"))
+    srv.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    srv.add_argument("--port", type=int, default=_env("PORT", 8000, int))
+    srv.add_argument("--api-key", default=_env("API_KEY"), help="require Bearer auth on /v1/*")
+    srv.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        default=_env("PROTECT_METRICS", False, _flag),
+        help="auth on /metrics too",
+    )
+    srv.add_argument("--max-num-seqs", type=int, default=_env("MAX_NUM_SEQS", 32, int))
+    srv.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None, int))
+    srv.add_argument(
+        "--max-waiting-requests", type=int, default=_env("MAX_WAITING_REQUESTS", 256, int)
+    )
+    srv.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=_env("NUM_SPECULATIVE_TOKENS", None, int),
+        help="0 = drafting off",
+    )
+    srv.add_argument(
+        "--prefill-chunk-tokens", type=int, default=_env("PREFILL_CHUNK_TOKENS", 256, int)
+    )
+    srv.add_argument("--max-body-bytes", type=int, default=_env("MAX_BODY_BYTES", 1 << 20, int))
+    srv.add_argument("--max-tokens-cap", type=int, default=_env("MAX_TOKENS_CAP", 4096, int))
+    srv.add_argument("--drain-timeout", type=float, default=_env("DRAIN_TIMEOUT", 30.0, float))
+    srv.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
+    srv.set_defaults(func=_serve)
 
     info = sub.add_parser("info", help="show the MLX device and which BLAS is active")
     info.set_defaults(func=_info)

@@ -1,0 +1,294 @@
+"""The HTTP server, as a real process on loopback, driven by real clients (openai, httpx)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import openai
+import pytest
+from mlx_lm.generate import generate_step
+
+from engine.loading import load_target_model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, target: Path, drafter: Path | None, *extra: str, env: dict | None = None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "engine.cli", "serve", "--target", str(target),
+                   "--port", str(self.port), "--log-level", "warning", *extra]  # fmt: skip
+        if drafter is not None:
+            command += ["--drafter", str(drafter)]
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"server-{self.port}.log", "w+")
+        self.process = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.stop()
+        self.log.seek(0)
+        raise RuntimeError("server did not become ready:\n" + self.log.read())
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics").text
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("flashbatch_"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_target_dir, drafter_dir):
+    s = ServerProcess(qwen3_target_dir, drafter_dir, "--max-num-seqs", "32")
+    yield s
+    s.stop()
+
+
+def _metric(values: dict[str, float], name: str, **labels: str) -> float:
+    total = 0.0
+    for key, value in values.items():
+        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            total += value
+    return total
+
+
+def test_openai_client_completions_and_chat(server, qwen3_target_dir):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model, tokenizer = load_target_model(qwen3_target_dir)
+    prompt = "def add(a, b):"
+    ids = list(tokenizer.encode(prompt))
+    steps = generate_step(mx.array(ids), model, max_tokens=12, sampler=lambda x: mx.argmax(x, -1))
+    reference = [int(t) for t, _ in steps]
+    expected = tokenizer.decode(reference[: reference.index(0)] if 0 in reference else reference)
+
+    done = client.completions.create(model="qwen3", prompt=prompt, max_tokens=12, temperature=0)
+    assert done.choices[0].text == expected
+    assert done.usage.prompt_tokens == len(ids) and done.usage.completion_tokens <= 12
+
+    stream = client.completions.create(
+        model="qwen3", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+
+    messages = [{"role": "user", "content": "write a loop"}]
+    chat = client.chat.completions.create(
+        model="qwen3", messages=messages, max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant"
+    streamed = client.chat.completions.create(
+        model="qwen3", messages=messages, max_tokens=8, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content
+    assert [m.id for m in client.models.list().data] == ["qwen3"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "x", "n": 2}, 400, "n=2"),
+        ({"prompt": "x", "max_tokens": 5000}, 400, "max_tokens 5000 exceeds"),
+        ({"prompt": "x " * 3000, "max_tokens": 2000}, 400, "maximum context length is 4096"),
+        ({"prompt": "x", "model": "other"}, 404, "does not exist"),
+        ({"prompt": 5}, 400, "invalid request"),
+        ({"messages": []}, 400, "messages must not be empty"),
+    ],
+)
+def test_errors_use_the_openai_shape(server, body, status, needle):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    response = httpx.post(server.url + path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert needle in error["message"] and error["code"] == status and error["type"]
+
+
+def test_oversized_body_gets_413(server):
+    response = httpx.post(server.url + "/v1/completions", content=b"x" * (2 << 20),
+                          headers={"content-type": "application/json"})  # fmt: skip
+    assert response.status_code == 413 and "exceeds" in response.json()["error"]["message"]
+
+
+def test_metrics_count_what_was_served(server):
+    before = server.metrics()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    drafted = accepted = tokens = 0
+    for i in range(3):
+        raw = client.completions.with_raw_response.create(
+            model="qwen3", prompt=f"import os{i}", max_tokens=10, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        body = json.loads(raw.text)
+        drafted += body["flashbatch"]["drafted_tokens"]
+        accepted += body["flashbatch"]["accepted_tokens"]
+        tokens += body["usage"]["completion_tokens"]
+    after = server.metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return _metric(after, name, **labels) - _metric(before, name, **labels)
+
+    assert delta("flashbatch_generation_tokens_total") == tokens == 30
+    assert delta("flashbatch_request_success_total", finished_reason="length") == 3
+    assert delta("flashbatch_spec_decode_num_draft_tokens_total") == drafted > 0
+    assert delta("flashbatch_spec_decode_num_accepted_tokens_total") == accepted
+    assert delta("flashbatch_time_to_first_token_seconds_count") == 3
+    assert delta("flashbatch_e2e_request_latency_seconds_count") == 3
+    assert delta("flashbatch_spec_decode_draft_depth_count") > 0
+    assert _metric(after, "flashbatch_num_requests_running") == 0
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian: prometheus) absent")
+def test_promtool_accepts_the_exposition(server):
+    text = httpx.get(server.url + "/metrics").text
+    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
+                            text=True)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+async def test_disconnect_mid_stream_frees_the_request(server):
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        body = {"prompt": "x", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for _ in response.aiter_lines():
+                if _metric(server.metrics(), "flashbatch_num_requests_running") >= 1:
+                    break
+    for _ in range(100):
+        values = server.metrics()
+        if _metric(values, "flashbatch_num_requests_running") == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert _metric(values, "flashbatch_num_requests_running") == 0
+    assert _metric(values, "flashbatch_request_success_total", finished_reason="abort") >= 1
+
+
+async def test_two_hundred_concurrent_streams_complete(server):
+    limits = httpx.Limits(max_connections=250)
+    async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
+
+        async def one(i: int) -> int:
+            body = {"prompt": f"def f{i}(", "max_tokens": 6, "stream": True, "ignore_eos": True,
+                    "temperature": 0}  # fmt: skip
+            pieces = 0
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line == "data: [DONE]":
+                        return pieces
+                    if line.startswith("data: "):
+                        pieces += 1
+            return -1
+
+        results = await asyncio.gather(*[one(i) for i in range(200)])
+    assert all(r >= 1 for r in results)
+
+
+def test_full_queue_answers_429_while_streams_continue(qwen3_target_dir):
+    s = ServerProcess(qwen3_target_dir, None, "--max-num-seqs", "1", "--max-waiting-requests", "1")
+    try:
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as client:
+                body = {"prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True}
+                async with client.stream("POST", "/v1/completions", json=body) as running:
+                    lines = running.aiter_lines()
+                    await lines.__anext__()  # the first request is decoding
+                    waiting = asyncio.create_task(
+                        client.post("/v1/completions", json={"prompt": "y", "max_tokens": 2})
+                    )
+                    for _ in range(100):
+                        if _metric(s.metrics(), "flashbatch_num_requests_waiting") >= 1:
+                            break
+                        await asyncio.sleep(0.02)
+                    rejected = await client.post("/v1/completions", json={"prompt": "z"})
+                    assert rejected.status_code == 429
+                    assert int(rejected.headers["retry-after"]) >= 1
+                    assert rejected.json()["error"]["type"] == "server_overloaded"
+                    rest = [line async for line in lines if line]
+                    assert rest[-1] == "data: [DONE]"
+                    assert (await waiting).status_code == 200
+
+        asyncio.run(scenario())
+    finally:
+        s.stop()
+
+
+def test_api_key_guards_v1_but_not_probes(qwen3_target_dir):
+    s = ServerProcess(qwen3_target_dir, None, env={"FLASHBATCH_API_KEY": "sekret"})
+    try:
+        before = _metric(s.metrics(), "flashbatch_request_success_total")
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(s.url + "/v1/models").status_code == 401
+        assert _metric(s.metrics(), "flashbatch_request_success_total") == before  # never reached
+        ok = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                        headers={"Authorization": "Bearer sekret"})  # fmt: skip
+        assert ok.status_code == 200
+        assert httpx.get(s.url + "/health").status_code == 200
+        assert httpx.get(s.url + "/metrics").status_code == 200
+    finally:
+        s.stop()
+
+
+def test_sigterm_drains_in_flight_and_refuses_new_work(qwen3_target_dir):
+    s = ServerProcess(qwen3_target_dir, None, "--drain-timeout", "30")
+    try:
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as client:
+                body = {"prompt": "x", "max_tokens": 300, "stream": True, "ignore_eos": True}
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    lines = response.aiter_lines()
+                    await lines.__anext__()
+                    s.process.send_signal(signal.SIGTERM)
+                    await asyncio.sleep(0.3)
+                    assert (await client.get("/ready")).status_code == 503
+                    refused = await client.post("/v1/completions", json={"prompt": "y"})
+                    assert refused.status_code == 503 and "retry-after" in refused.headers
+                    rest = [line async for line in lines if line]
+                    assert rest[-1] == "data: [DONE]"
+                    finals = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
+                    assert finals[-1]["choices"][0]["finish_reason"] == "length"
+
+        asyncio.run(scenario())
+        # uvicorn re-raises the captured SIGTERM once shut down, as process managers expect
+        assert s.process.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        s.stop()

@@ -28,6 +28,7 @@ from engine.errors import EngineClosed, InvalidRequest
 from engine.sampling import SamplingParams
 from engine.stopping import StopChecker
 from metrics import EngineMetrics
+from scheduler.adaptive import AdaptiveDepthPolicy
 from scheduler.depth import DepthPolicy, FixedDepthPolicy
 from scheduler.plan import StepResult
 from scheduler.request import Request
@@ -58,7 +59,7 @@ class AsyncEngine:
         config.validate()
         self.config = config
         self.model_name = config.model_name or Path(config.target).name
-        self._policy = depth_policy or FixedDepthPolicy(config.num_speculative_tokens)
+        self._policy = depth_policy
         self.metrics = EngineMetrics(self.model_name)
         self._executor: ThreadPoolExecutor | None = None
         self._runner: Any = None
@@ -100,6 +101,14 @@ class AsyncEngine:
             bytes_per_token=self._runner.bytes_per_token(),
             max_model_len=int(max_len or 4096),
         )
+        if self._policy is None:
+            if self.config.num_speculative_tokens is not None:
+                self._policy = FixedDepthPolicy(self.config.num_speculative_tokens)
+            else:
+                self._policy = AdaptiveDepthPolicy(self._runner.max_depth)
+                if self._runner.max_depth:
+                    profile = await loop.run_in_executor(self._executor, self._runner.profile)
+                    self._policy.seed(profile)
         self.scheduler = Scheduler(limits, self._policy, self._runner.max_depth)
         self._accepting = True
         self._loop_task = asyncio.create_task(self._run(), name="flashbatch-scheduler")
@@ -310,6 +319,11 @@ class AsyncEngine:
             del self._streams[request.request_id]
 
     # ----------------------------------------------------------------- introspection
+    def depth_policy_state(self) -> dict:
+        """The depth controller's inspectable state (empty for a fixed policy)."""
+        state = getattr(self._policy, "state", None)
+        return state() if callable(state) else {}
+
     def kv_bytes(self) -> int:
         """KV cache bytes held by the runner (read between steps)."""
         return self._runner.kv_bytes if self._runner is not None else 0

@@ -17,7 +17,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None  # context limit; default: the target's max positions
     prefill_chunk_tokens: int = 256  # prompt tokens per step, so prefills do not stall decoders
     kv_cache_bytes: int = 4 << 30  # target KV cache budget for admitted requests
-    num_speculative_tokens: int | None = None  # fixed depth; None = block size - 1; 0 = off
+    # None: the adaptive depth controller; a number: that fixed depth for everyone (0 = off)
+    num_speculative_tokens: int | None = None
     profile_phases: bool = False  # time draft and verify apart (costs one extra sync per step)
 
     def validate(self) -> None:

@@ -232,6 +232,26 @@ class ModelRunner:
         if state.session is not None:
             self.drafter.close(state.session)
 
+    def profile(self, widths: tuple[int, ...] = (1, 2, 4, 8, 16), context: int = 64,
+                repeats: int = 2) -> list[tuple[int, int, float]]:  # fmt: skip
+        """Warm-up profile of the target: seconds of a B=1 forward over `width` new tokens at a
+        short context, as (batch, width, seconds) — seeds the adaptive controller's cost curve."""
+        samples = []
+        for width in widths:
+            cache = [RaggedKVCache(1) for _ in self.target.layers]
+            logits, _ = self.target(mx.zeros((1, context), dtype=mx.int32), cache)
+            mx.eval(logits)
+            timings = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                logits, _ = self.target(mx.zeros((1, width), dtype=mx.int32), cache)
+                mx.eval(mx.argmax(logits, axis=-1))
+                timings.append(time.perf_counter() - started)
+                for layer_cache in cache:
+                    layer_cache.trim_rows([width])
+            samples.append((1, width, min(timings)))
+        return samples
+
     # ----------------------------------------------------------------- facts
     @property
     def kv_bytes(self) -> int:

@@ -186,7 +186,10 @@ async def test_batched_speculative_sampling_matches_plain_sampling(qwen3_target_
     greedy = prompt + plain_greedy(model, prompt, 8)
     runs = 600
     params = dict(max_tokens=4, temperature=1.0, top_k=2, ignore_eos=True)
-    config = EngineConfig(target=str(qwen3_target_dir), max_num_seqs=32, max_waiting_requests=runs)
+    config = EngineConfig(
+        target=str(qwen3_target_dir), max_num_seqs=32, max_waiting_requests=runs,
+        num_speculative_tokens=7,
+    )  # fmt: skip
 
     async def sample_all(engine, seed_base, depth):
         async def one(i):
@@ -354,3 +357,36 @@ def test_engine_config_defaults_are_sane(tmp_path: Path):
     config.validate()
     with pytest.raises(ValueError):
         EngineConfig(target="x", max_num_seqs=0).validate()
+
+
+async def test_adaptive_depth_parks_a_useless_drafter_and_stays_exact(
+    qwen3_target_dir, drafter_dir
+):
+    """A random-weight drafter is never accepted: the controller falls to the plain path."""
+    config = EngineConfig(target=str(qwen3_target_dir), drafter=str(drafter_dir), max_num_seqs=4)
+    requests = [(f"u{i}", [5 + i, 9, 11], 60, None, 0) for i in range(4)]
+    async with AsyncEngine(config) as engine:
+        drafted_rows = []
+        engine.step_hooks.append(
+            lambda r: drafted_rows.append(r.drafted_rows) if r.batch_size else None
+        )
+        results = await run_all(engine, requests)
+        state = engine.depth_policy_state()
+    model, _ = load_target_model(qwen3_target_dir)
+    for (_, prompt, n, _, _), (tokens, _) in zip(requests, results):
+        assert tokens == plain_greedy(model, prompt, n)
+    late = drafted_rows[len(drafted_rows) // 2 :]
+    assert sum(1 for d in late if d) <= len(late) // 5  # parked, with rare probes
+    assert state["prior"][0] < 0.5  # the shared prior (0.6 at start) learned the rejections
+
+
+async def test_adaptive_depth_drafts_when_drafts_are_accepted(qwen3_target_dir, vocab_size):
+    requests = [(f"g{i}", [7 + i, 8, 9], 60, None, 0) for i in range(3)]
+    model, _ = load_target_model(qwen3_target_dir)
+    references = [p + plain_greedy(model, p, n) for _, p, n, _, _ in requests]
+    config = EngineConfig(target=str(qwen3_target_dir), max_num_seqs=4)
+    async with ScriptedEngine(config, references, vocab_size, [7]) as engine:
+        results = await run_all(engine, requests)
+    for reference, (_, prompt, _, _, _), (tokens, _) in zip(references, requests, results):
+        assert tokens == reference[len(prompt) :]
+    assert sum(last.accepted_tokens for _, last in results) > 60

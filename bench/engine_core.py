@@ -1,13 +1,15 @@
-"""Engine-core benchmark: flashbatch against mlx-lm's BatchGenerator, side by side in one run.
+"""Engine benchmark: flashbatch policies against mlx-lm's BatchGenerator, side by side in one run.
 
     python bench/engine_core.py [--target DIR --drafter DIR] [--workload completion]
-        [--concurrency 1,4,8,16] [--depths 0,3,7,15] [--rounds 3] [--max-tokens 64]
+        [--concurrency 1,4,8,16] [--policies off,3,7,15,adaptive] [--rounds 3]
+        [--max-tokens 64] [--temperature 0] [--no-batch-generator] [--reference-loop]
 
-For each concurrency C, `requests` prompts of the workload are served with at most C in flight
-(closed loop), greedy, by: mlx-lm `BatchGenerator` (completion batch C), flashbatch with drafting
-off (depth 0) and at each fixed depth. Rounds interleave the engines and the table reports
-medians of aggregate output tokens/s and each one's ratio to BatchGenerator. At concurrency 1
-the engine is also compared with the single-request reference loop (`engine.speculative`).
+For each concurrency C, `requests` prompts of the workload ("mixed" = half editing, half prose)
+are served with at most C in flight (closed loop) by mlx-lm `BatchGenerator` (completion batch
+C) and by one flashbatch engine per policy: `off` (drafting off), a fixed depth, or `adaptive`.
+Rounds interleave the engines; the table reports medians of aggregate output tokens/s, each
+one's ratio to BatchGenerator and to flashbatch with drafting off, and tau. With
+`--reference-loop`, concurrency 1 also runs the single-request reference loop.
 Defaults to the bundled pair and its code-completion workload.
 """
 
@@ -28,19 +30,25 @@ import mlx.core as mx
 def load_prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
     from engine.bundled.workloads import load_workloads
 
-    texts = load_workloads()[workload]
+    workloads = load_workloads()
+    if workload == "mixed":
+        texts = [t for pair in zip(workloads["editing"], workloads["prose"]) for t in pair]
+    else:
+        texts = workloads[workload]
     return [list(tokenizer.encode(t)) for t in (texts * (count // len(texts) + 1))[:count]]
 
 
 def run_batch_generator(
-    model, prompts: list[list[int]], concurrency: int, max_tokens: int
+    model, prompts: list[list[int]], concurrency: int, max_tokens: int, temperature: float
 ) -> float:
     """Aggregate tokens/s of mlx-lm's continuous batching, closed loop at `concurrency`."""
     from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_sampler
 
     generator = BatchGenerator(
         model, max_tokens=max_tokens, completion_batch_size=concurrency,
         prefill_batch_size=min(concurrency, 8), prefill_step_size=256,
+        sampler=make_sampler(temp=temperature),
     )  # fmt: skip
     queue = list(prompts)
     in_flight = 0
@@ -60,13 +68,13 @@ def run_batch_generator(
 
 
 async def run_flashbatch(
-    flashbatch, prompts: list[list[int]], concurrency: int, max_tokens: int, depth: int
+    flashbatch, prompts: list[list[int]], concurrency: int, max_tokens: int, temperature: float
 ) -> tuple[float, float]:
     """Aggregate tokens/s and tau of the engine, closed loop at `concurrency`."""
     from engine.sampling import SamplingParams
 
     gate = asyncio.Semaphore(concurrency)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=depth)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature)
     produced = committed = steps = 0
 
     async def one(prompt: list[int]) -> None:
@@ -95,52 +103,73 @@ def run_oracle(pair, prompts: list[list[int]], max_tokens: int, depth: int) -> f
     return produced / (time.perf_counter() - started)
 
 
+def _policy_config(args: argparse.Namespace, policy: str, max_concurrency: int):
+    from engine.config import EngineConfig
+
+    depth = None if policy == "adaptive" else 0 if policy == "off" else int(policy)
+    return EngineConfig(
+        target=str(args.target), drafter=str(args.drafter), max_num_seqs=max_concurrency,
+        max_waiting_requests=10_000, num_speculative_tokens=depth,
+    )  # fmt: skip
+
+
 async def main_async(args: argparse.Namespace) -> str:
     from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
     from engine.loading import load_pair
 
     pair = load_pair(args.target, args.drafter)  # for mlx-lm and the reference loop
     prompts = load_prompts(pair.tokenizer, args.workload, args.requests)
-    config = EngineConfig(
-        target=str(args.target), drafter=str(args.drafter), max_num_seqs=max(args.concurrency),
-        max_waiting_requests=10_000,
-    )  # fmt: skip
+    engines = {}
+    for policy in args.policies:
+        engines[policy] = AsyncEngine(_policy_config(args, policy, max(args.concurrency)))
+        await engines[policy].start()
     rows = []
-    async with AsyncEngine(config) as eng:
+    try:
+        # Warm-up (not measured): first calls allocate buffers and build caches.
+        warm = prompts[: max(2, max(args.concurrency))]
+        if args.batch_generator:
+            run_batch_generator(pair.target.model, warm, max(args.concurrency), 8, args.temperature)
+        for eng in engines.values():
+            await run_flashbatch(eng, warm, max(args.concurrency), 8, args.temperature)
         for concurrency in args.concurrency:
-            samples: dict[str, list[float]] = {"BatchGenerator": []}
+            samples: dict[str, list[float]] = {}
             taus: dict[str, list[float]] = {}
             for _ in range(args.rounds):
-                samples["BatchGenerator"].append(
-                    run_batch_generator(pair.target.model, prompts, concurrency, args.max_tokens)
-                )
-                for depth in args.depths:
+                if args.batch_generator:
+                    rate = run_batch_generator(pair.target.model, prompts, concurrency,
+                                               args.max_tokens, args.temperature)  # fmt: skip
+                    samples.setdefault("BatchGenerator", []).append(rate)
+                for policy, eng in engines.items():
                     rate, tau = await run_flashbatch(
-                        eng, prompts, concurrency, args.max_tokens, depth
+                        eng, prompts, concurrency, args.max_tokens, args.temperature
                     )
-                    samples.setdefault(f"flashbatch d={depth}", []).append(rate)
-                    taus.setdefault(f"flashbatch d={depth}", []).append(tau)
-                if concurrency == 1:
-                    depth = max(args.depths)
-                    rate = run_oracle(pair, prompts[: args.oracle_requests], args.max_tokens, depth)
-                    samples.setdefault(f"reference loop d={depth}", []).append(rate)
+                    samples.setdefault(f"flashbatch {policy}", []).append(rate)
+                    taus.setdefault(f"flashbatch {policy}", []).append(tau)
+                if concurrency == 1 and args.reference_loop:
+                    rate = run_oracle(pair, prompts[: args.oracle_requests], args.max_tokens, 15)
+                    samples.setdefault("reference loop d=15", []).append(rate)
                 mx.clear_cache()
-            base = statistics.median(samples["BatchGenerator"])
-            for name, values in samples.items():
-                rate = statistics.median(values)
+            medians = {name: statistics.median(v) for name, v in samples.items()}
+            base = medians.get("BatchGenerator")
+            off = medians.get("flashbatch off")
+            for name, rate in medians.items():
                 tau = statistics.median(taus[name]) if name in taus else float("nan")
-                rows.append((concurrency, name, rate, rate / base, tau))
+                rows.append((concurrency, name, rate, base, off, tau))
             print(f"concurrency {concurrency} done", flush=True)
+    finally:
+        for eng in engines.values():
+            await eng.shutdown()
     lines = [
-        f"workload {args.workload}, {args.requests} requests x {args.max_tokens} tokens, greedy, "
-        f"median of {args.rounds} interleaved rounds",
+        f"workload {args.workload}, {args.requests} requests x {args.max_tokens} tokens, "
+        f"temperature {args.temperature}, median of {args.rounds} interleaved rounds",
         "",
-        "| concurrency | engine | tokens/s | vs BatchGenerator | tau |",
-        "|---:|---|---:|---:|---:|",
+        "| concurrency | engine | tokens/s | vs BatchGenerator | vs drafting off | tau |",
+        "|---:|---|---:|---:|---:|---:|",
     ]
-    for concurrency, name, rate, ratio, tau in rows:
-        lines.append(f"| {concurrency} | {name} | {rate:.1f} | {ratio:.2f}x | {tau:.2f} |")
+    for concurrency, name, rate, base, off, tau in rows:
+        vs_base = f"{rate / base:.2f}x" if base else "-"
+        vs_off = f"{rate / off:.2f}x" if off else "-"
+        lines.append(f"| {concurrency} | {name} | {rate:.1f} | {vs_base} | {vs_off} | {tau:.2f} |")
     return "\n".join(lines)
 
 
@@ -157,9 +186,10 @@ def main() -> None:
     parser.add_argument(
         "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16]
     )
-    parser.add_argument(
-        "--depths", type=lambda s: [int(x) for x in s.split(",")], default=[0, 3, 7, 15]
-    )
+    parser.add_argument("--policies", type=lambda s: s.split(","), default="off,3,7,15,adaptive")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--no-batch-generator", dest="batch_generator", action="store_false")
+    parser.add_argument("--reference-loop", action="store_true")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--oracle-requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -205,3 +205,99 @@ def evaluate_pair(
         }
         log(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[name].items()))
     return results
+
+
+# ----------------------------------------------------------------------------- model card
+def held_out_target_loss(work: Path, target_dir: Path) -> float:
+    """Next-token cross entropy of the exported target on the held-out stdlib files."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from engine.bundled.pretrain import held_out_loss
+    from engine.loading import load_target_model
+
+    tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    stream: list[int] = []
+    for encoding in tok.encode_batch(read_files(split_corpus(work), "held_out")):
+        stream += encoding.ids + [eos]
+    model, _ = load_target_model(target_dir)
+    return held_out_loss(model, np.asarray(stream, dtype=np.int32))
+
+
+def write_model_card(work: Path, facts: dict, path: Path = PACKAGE_DIR / "MODEL_CARD.md") -> None:
+    """MODEL_CARD.md beside the weights, from the build's recorded facts."""
+    ev = facts["eval"]
+    rows = "\n".join(
+        f"| {name} | {r['tau']:.2f} | {r['spec_tok_s']:.1f} | {r['mlx_lm_tok_s']:.1f} | "
+        f"{r['speedup']:.2f}x |"
+        for name, r in ev.items()
+    )
+    text = f"""# flashbatch bundled model pair
+
+A small Qwen3-architecture target and a DFlash drafter trained for it, built from scratch on
+this machine kind (2-core x86_64 CPU, MLX CPU backend, float32 compute, OpenBLAS) by
+`python -m engine.bundled.build`. They exist so that serving, tests and benchmarks run on a
+fresh machine with no downloads, on a pair that behaves like a real one: a target that writes
+Python-like text and a drafter that was really trained for it.
+
+## Data
+
+- Corpus: the Python standard library of the interpreter that ran the build
+  ({facts["python"]}), `*.py` files without tests or site-packages: {facts["train_files"]}
+  training files, {facts["held_out_files"]} held out (chosen by a hash of the relative path;
+  the held-out files are never trained on and supply the workloads).
+- Tokenizer: byte-level BPE, {facts["vocab_size"]} tokens, trained on the training files;
+  special tokens `<|endoftext|>` (EOS), `<|im_start|>`, `<|im_end|>` (chat template),
+  `<|mask|>` (the drafter's mask token). {facts["train_tokens"] / 1e6:.2f}M training tokens.
+
+## Target (`target/`)
+
+- Qwen3 architecture (mlx-lm `qwen3`): hidden {facts["target"]["hidden_size"]}, \
+{facts["target"]["num_hidden_layers"]} layers, {facts["target"]["num_attention_heads"]} query / \
+{facts["target"]["num_key_value_heads"]} KV heads of {facts["target"]["head_dim"]}, MLP \
+{facts["target"]["intermediate_size"]}, tied embeddings; {facts["target_params"] / 1e6:.1f}M \
+parameters; stored in bfloat16, computed in float32 on CPU.
+- Pretraining: {facts["pretrain"]["steps"]} steps of {facts["pretrain"]["batch_size"]} x \
+{facts["pretrain"]["seq_len"]} tokens ({facts["pretrain_tokens"] / 1e6:.1f}M tokens), AdamW \
+(lr {facts["pretrain"]["learning_rate"]}, weight decay {facts["pretrain"]["weight_decay"]}, \
+4% warmup, cosine), gradient clipping 1.0; about {facts["pretrain_minutes"]:.0f} minutes.
+- Loss: training {facts["train_loss"]:.3f} (last checkpoint window), held-out \
+{facts["held_out_loss"]:.3f} nats/token.
+
+## Drafter (`drafter/`)
+
+- DFlash, z-lab layout: {facts["drafter"]["num_hidden_layers"]} target-shaped layers, block size \
+{facts["drafter"]["block_size"]}, tapped target layers {facts["drafter"]["target_layer_ids"]}, \
+mask token id {facts["drafter"]["mask_token_id"]}; {facts["drafter_params"] / 1e6:.1f}M parameters.
+- Data: the target's own greedy continuations ({facts["data_tokens"] / 1e3:.0f}k tokens) of \
+{facts["data_prompts"]} prompts cut from the training files.
+- Training (`drafters/dflash/train.py`): {facts["drafter_steps"]} steps of 4 sequences, 48 random \
+anchors per sequence, loss decay gamma 7, AdamW lr 1e-3 with warmup and cosine; final loss \
+{facts["drafter_loss"]:.3f}, weighted accuracy {facts["drafter_acc"]:.3f}; about \
+{facts["drafter_minutes"]:.0f} minutes.
+
+## Measured (greedy, block 16, one request at a time, {facts["eval_prompts"]} prompts per \
+workload, {facts["eval_max_tokens"]} tokens each)
+
+| workload | tau | speculative tok/s | mlx-lm `stream_generate` tok/s | speedup |
+|---|---:|---:|---:|---:|
+{rows}
+
+Produced by `python -m engine.bundled.build --stages eval` (numbers in
+`~/.cache/flashbatch/bundle-build/eval.json`), flashbatch's reference loop with the drafter
+against mlx-lm's plain `stream_generate` on the same target, interleaved per prompt.
+
+## Rebuild
+
+```bash
+python -m engine.bundled.build --stages corpus,tokenizer,pretrain \\
+    --steps {facts["pretrain"]["steps"]}
+python -m engine.bundled.build --stages export-target,workloads,data,drafter,export-drafter,eval \\
+    --data-prompts {facts["data_prompts"]} --drafter-steps {facts["drafter_steps"]}
+```
+
+Every stage checkpoints into `~/.cache/flashbatch/bundle-build` and resumes after an
+interruption. Exact numbers vary with the Python version's standard library.
+"""
+    path.write_text(text)

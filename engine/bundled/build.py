@@ -12,6 +12,7 @@ Stages, in order (each resumes from what its work directory holds):
   drafter         DFlash drafter training (block 16)
   export-drafter  drafter into engine/bundled/drafter
   eval            tau per workload and tokens/s against mlx-lm, written to eval.json
+  card            MODEL_CARD.md beside the weights, from what the stages recorded
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
 # isort: split
 import argparse
 import json
+import time
 from pathlib import Path
 
 from engine.bundled import pair
@@ -46,10 +48,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
     parser.add_argument(
         "--stages",
-        default="corpus,tokenizer,pretrain,export-target,workloads,data,drafter,export-drafter,eval",
+        default="corpus,tokenizer,pretrain,export-target,workloads,data,drafter,export-drafter,eval,card",
     )
     parser.add_argument("--data-prompts", type=int, default=2000)
     parser.add_argument("--drafter-steps", type=int, default=400)
+    parser.add_argument("--eval-prompts", type=int, default=12)
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=PretrainConfig.steps)
     parser.add_argument("--checkpoint-every", type=int, default=PretrainConfig.checkpoint_every)
@@ -73,12 +76,30 @@ def main(argv: list[str] | None = None) -> None:
     if "data" in stages:
         pair.generate_drafter_data(args.work_dir, target_dir, args.data_prompts)
     if "drafter" in stages:
-        pair.train_bundled_drafter(args.work_dir, target_dir, args.drafter_steps)
+        started = time.perf_counter()
+        result = pair.train_bundled_drafter(args.work_dir, target_dir, args.drafter_steps)
+        summary_file = args.work_dir / "drafter_summary.json"
+        previous = json.loads(summary_file.read_text())["seconds"] if summary_file.exists() else 0
+        tail = result.history[-20:]
+        summary = {
+            "steps": result.step,
+            "loss": sum(h[1] for h in tail) / max(1, len(tail)),
+            "acc": sum(h[2] for h in tail) / max(1, len(tail)),
+            "seconds": previous + time.perf_counter() - started,
+        }
+        summary_file.write_text(json.dumps(summary))
     if "export-drafter" in stages:
         print(f"drafter exported to {pair.export_drafter(args.work_dir)}")
     if "eval" in stages:
-        results = pair.evaluate_pair(target_dir, drafter_dir, load_workloads(WORKLOADS_FILE))
-        (args.work_dir / "eval.json").write_text(json.dumps(results, indent=1))
+        workloads = load_workloads(WORKLOADS_FILE)
+        results = pair.evaluate_pair(
+            target_dir, drafter_dir, workloads, prompts=args.eval_prompts, max_tokens=128
+        )
+        record = {"results": results, "prompts": args.eval_prompts, "max_tokens": 128}
+        (args.work_dir / "eval.json").write_text(json.dumps(record, indent=1))
+    if "card" in stages:
+        pair.write_model_card(args.work_dir, pair.collect_facts(args.work_dir))
+        print("model card written")
 
 
 if __name__ == "__main__":

@@ -301,3 +301,59 @@ Every stage checkpoints into `~/.cache/flashbatch/bundle-build` and resumes afte
 interruption. Exact numbers vary with the Python version's standard library.
 """
     path.write_text(text)
+
+
+def collect_facts(work: Path, target_dir: Path = BUNDLED_TARGET,
+                  drafter_dir: Path = BUNDLED_DRAFTER) -> dict:  # fmt: skip
+    """Everything the model card states, read back from the build's work directory."""
+    import platform as host
+
+    import numpy as np
+
+    from drafters.dflash.checkpoint import read_config
+
+    split = split_corpus(work)
+    state = json.loads((work / "pretrain" / "state.json").read_text())
+    target = json.loads((target_dir / "config.json").read_text())
+    drafter = read_config(drafter_dir)
+    summary = json.loads((work / "drafter_summary.json").read_text())
+    evaluation = json.loads((work / "eval.json").read_text())
+    records = [json.loads(line) for line in (work / "drafter_data.jsonl").read_text().splitlines()]
+
+    def count(directory: Path) -> int:
+        return sum(int(np.prod(v.shape)) for f in directory.glob("model*.safetensors")
+                   for v in mx.load(str(f)).values())  # fmt: skip
+
+    config = state["config"]
+    tokens = config["steps"] * config["batch_size"] * config["seq_len"]
+    losses = [h["loss"] for h in state["history"] if h["loss"] is not None]
+    return {
+        "python": f"Python {host.python_version()}",
+        "train_files": len(split["train"]),
+        "held_out_files": len(split["held_out"]),
+        "vocab_size": target["vocab_size"],
+        "train_tokens": int(np.load(work / "train_tokens.npy").shape[0]),
+        "target": target,
+        "target_params": count(target_dir),
+        "pretrain": config,
+        "pretrain_tokens": tokens,
+        "pretrain_minutes": tokens / state.get("tokens_per_second", 700.0) / 60,
+        "train_loss": losses[-1] if losses else float("nan"),
+        "held_out_loss": held_out_target_loss(work, target_dir),
+        "drafter": {
+            "num_hidden_layers": drafter.num_hidden_layers,
+            "block_size": drafter.block_size,
+            "target_layer_ids": drafter.target_layer_ids,
+            "mask_token_id": drafter.mask_token_id,
+        },
+        "drafter_params": count(drafter_dir),
+        "data_prompts": len(records),
+        "data_tokens": sum(len(r["tokens"]) - r["prompt_tokens"] for r in records),
+        "drafter_steps": summary["steps"],
+        "drafter_loss": summary["loss"],
+        "drafter_acc": summary["acc"],
+        "drafter_minutes": summary["seconds"] / 60,
+        "eval": evaluation["results"],
+        "eval_prompts": evaluation["prompts"],
+        "eval_max_tokens": evaluation["max_tokens"],
+    }

@@ -337,7 +337,7 @@ def collect_facts(work: Path, target_dir: Path = BUNDLED_TARGET,
         "target_params": count(target_dir),
         "pretrain": config,
         "pretrain_tokens": tokens,
-        "pretrain_minutes": tokens / state.get("tokens_per_second", 700.0) / 60,
+        "pretrain_minutes": tokens / state.get("tokens_per_second", _logged_rate(work)) / 60,
         "train_loss": losses[-1] if losses else float("nan"),
         "held_out_loss": held_out_target_loss(work, target_dir),
         "drafter": {
@@ -357,3 +357,12 @@ def collect_facts(work: Path, target_dir: Path = BUNDLED_TARGET,
         "eval_prompts": evaluation["prompts"],
         "eval_max_tokens": evaluation["max_tokens"],
     }
+
+
+def _logged_rate(work: Path) -> float:
+    """Pretraining tokens/s from the build log (runs that predate the rate in state.json)."""
+    import re
+
+    log_file = work.parent / "bundle-build.log"
+    rates = re.findall(r"\((\d+) tok/s\)", log_file.read_text()) if log_file.exists() else []
+    return float(rates[-1]) if rates else 700.0

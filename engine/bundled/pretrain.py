@@ -206,9 +206,10 @@ def pretrain_target(work: Path, size: TargetSize, config: PretrainConfig, log=pr
         )
         history = json.loads(state_file.read_text())["history"] if state_file.exists() else []
         history.append({"step": step, "loss": float(np.mean(losses)) if losses else None})
-        state_file.write_text(
-            json.dumps({"step": step, "config": asdict(config), "history": history})
-        )
+        rate = (step - start_step) * config.batch_size * config.seq_len
+        rate /= max(1e-9, time.perf_counter() - started)
+        state = {"step": step, "config": asdict(config), "history": history}
+        state_file.write_text(json.dumps({**state, "tokens_per_second": rate}))
         save_config(model_config, ckpt / "config.json")
 
     losses: list[float] = []

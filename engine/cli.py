@@ -238,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     for step_parser in (td_data, td_eval):
         step_parser.add_argument("--no-chat-template", action="store_true")
     td.set_defaults(func=_train_drafter)
+
+    try:
+        from bench.cli import add_bench_parser  # `bench run` / `bench serve` (bench/)
+    except ImportError:  # an install without the bench package (the server image)
+        add_bench_parser = None
+    if add_bench_parser is not None:
+        add_bench_parser(sub)
     return parser
 
 

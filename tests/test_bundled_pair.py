@@ -1,0 +1,99 @@
+"""The bundled model pair: it loads, its speculative output is exactly the target's greedy
+output on held-out prompts, the engine serves it by default, and its drafter is really trained
+(drafts get accepted)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from engine import AsyncEngine, EngineConfig, SamplingParams, generate, load_pair
+from engine.bundled.pair import bundled_paths
+from engine.bundled.workloads import WORKLOADS, load_workloads
+
+TARGET, DRAFTER = bundled_paths()
+pytestmark = pytest.mark.skipif(
+    not (TARGET / "config.json").is_file() or not (DRAFTER / "config.json").is_file(),
+    reason="the bundled pair is not built in this checkout (python -m engine.bundled.build)",
+)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_pair(TARGET, DRAFTER)
+
+
+def plain_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    steps = generate_step(
+        mx.array(prompt_ids), model, max_tokens=n, sampler=lambda x: mx.argmax(x, -1)
+    )
+    return [int(t) for t, _ in steps]
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_speculative_greedy_equals_plain_greedy_on_held_out_prompts(pair, workload):
+    accepted = 0
+    for text in load_workloads()[workload][:2]:
+        ids = list(pair.tokenizer.encode(text))
+        result = generate(pair.target, ids, SamplingParams(max_tokens=48, ignore_eos=True),
+                          drafter=pair.drafter)  # fmt: skip
+        assert result.token_ids == plain_greedy(pair.target.model, ids, 48), text[-80:]
+        accepted += result.accepted
+    assert accepted > 0  # a trained drafter: some drafts are accepted
+
+
+def test_engine_serves_the_bundled_pair_by_default_and_stays_exact(pair):
+    prompts = [list(pair.tokenizer.encode(t)) for t in load_workloads()["completion"][:6]]
+
+    async def run():
+        config = EngineConfig(target=str(TARGET), drafter=str(DRAFTER), max_num_seqs=6)
+        async with AsyncEngine(config) as engine:
+
+            async def one(ids):
+                tokens = []
+                params = SamplingParams(max_tokens=32, ignore_eos=True)
+                async for out in engine.generate(ids, params):
+                    tokens += out.token_ids
+                return tokens
+
+            return await asyncio.gather(*[one(ids) for ids in prompts])
+
+    for ids, tokens in zip(prompts, asyncio.run(run())):
+        assert tokens == plain_greedy(pair.target.model, ids, 32)
+
+
+def test_flashbatch_serve_with_no_arguments_answers(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        body = {"prompt": "def main():", "max_tokens": 16, "temperature": 0}
+        response = httpx.post(url + "/v1/completions", timeout=60, json=body)
+        assert response.status_code == 200
+        body = response.json()
+        assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] >= 1
+        assert body["model"] == "target"
+    finally:
+        process.kill()
+        process.wait()

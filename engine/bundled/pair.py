@@ -293,7 +293,7 @@ against mlx-lm's plain `stream_generate` on the same target, interleaved per pro
 ```bash
 python -m engine.bundled.build --stages corpus,tokenizer,pretrain \\
     --steps {facts["pretrain"]["steps"]}
-python -m engine.bundled.build --stages export-target,workloads,data,drafter,export-drafter,eval \\
+python -m engine.bundled.build --stages export-target,workloads,data,drafter,export-drafter,eval,card \\
     --data-prompts {facts["data_prompts"]} --drafter-steps {facts["drafter_steps"]}
 ```
 

@@ -233,6 +233,7 @@ def write_model_card(work: Path, facts: dict, path: Path = PACKAGE_DIR / "MODEL_
         f"{r['speedup']:.2f}x |"
         for name, r in ev.items()
     )
+    hours = (facts["pretrain_minutes"] + facts["drafter_minutes"]) / 60
     text = f"""# flashbatch bundled model pair
 
 A small Qwen3-architecture target and a DFlash drafter trained for it, built from scratch on
@@ -288,12 +289,23 @@ Produced by `python -m engine.bundled.build --stages eval` (numbers in
 `~/.cache/flashbatch/bundle-build/eval.json`), flashbatch's reference loop with the drafter
 against mlx-lm's plain `stream_generate` on the same target, interleaved per prompt.
 
+## Limits
+
+This is a small pair trained in about {hours:.1f} hours of 2-core CPU time. The target saw
+{facts['pretrain_tokens'] / 1e6:.1f}M tokens and the drafter {facts['data_tokens'] / 1e3:.0f}k
+target-generated tokens (published DFlash drafters
+train on hundreds of thousands of samples), so acceptance is modest: at this tau a fixed
+depth-15 block costs more than it saves on a CPU, and the engine's adaptive depth controller
+falls back to plain decoding for it. Longer target pretraining and more drafter data (both
+stages resume: rerun them with more `--steps` / `--data-prompts` / `--drafter-steps`) raise tau.
+
 ## Rebuild
 
 ```bash
 python -m engine.bundled.build --stages corpus,tokenizer,pretrain \\
     --steps {facts["pretrain"]["steps"]}
-python -m engine.bundled.build --stages export-target,workloads,data,drafter,export-drafter,eval,card \\
+python -m engine.bundled.build \\
+    --stages export-target,workloads,data,drafter,export-drafter,eval,card \\
     --data-prompts {facts["data_prompts"]} --drafter-steps {facts["drafter_steps"]}
 ```
 

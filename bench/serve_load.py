@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from bench.stats import percentile
+from bench.stats import Timeline, percentile
 
 MAX_REQUESTS = 10_000
 PERCENTILES = (50, 90, 99)
@@ -92,7 +92,7 @@ class LoadConfig:
 
 
 @dataclass
-class ServeRecord:
+class ServeRecord(Timeline):
     """One request as the client saw it."""
 
     prompt_index: int
@@ -109,14 +109,6 @@ class ServeRecord:
     @property
     def ok(self) -> bool:
         return self.error is None and self.finished is not None
-
-    @property
-    def ttft(self) -> float | None:
-        return self.chunk_times[0] - self.submitted if self.chunk_times else None
-
-    @property
-    def e2e(self) -> float | None:
-        return None if self.finished is None else self.finished - self.submitted
 
     @property
     def tpot(self) -> float | None:

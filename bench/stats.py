@@ -41,8 +41,25 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(finite) if finite else math.nan
 
 
+class Timeline:
+    """TTFT and end-to-end latency from a record's `submitted`, `chunk_times` and `finished`
+    (shared by the in-process and the HTTP load records)."""
+
+    submitted: float
+    chunk_times: list[float]
+    finished: float | None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.submitted if self.chunk_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.submitted
+
+
 @dataclass
-class RequestRecord:
+class RequestRecord(Timeline):
     """One request as the harness saw it: when it was submitted, when each chunk of tokens
     arrived (and how many tokens each carried), when it finished."""
 
@@ -66,14 +83,6 @@ class RequestRecord:
     @property
     def tokens(self) -> int:
         return sum(self.chunk_tokens)
-
-    @property
-    def ttft(self) -> float | None:
-        return self.chunk_times[0] - self.submitted if self.chunk_times else None
-
-    @property
-    def e2e(self) -> float | None:
-        return None if self.finished is None else self.finished - self.submitted
 
     @property
     def tokens_per_s(self) -> float | None:

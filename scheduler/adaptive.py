@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from scheduler.depth import request_cap
 from scheduler.plan import StepResult
 from scheduler.request import Request
 
@@ -252,9 +253,9 @@ class AdaptiveDepthPolicy:
 
     # ----------------------------------------------------------------- internals
     def _cap(self, request: Request, max_depth: int) -> int:
-        cap = request.params.num_speculative_tokens
+        """The request's own cap, further limited by its remaining token budget."""
         remaining = request.params.max_tokens - request.generated
-        return max(0, min(max_depth if cap is None else min(cap, max_depth), remaining - 1))
+        return max(0, min(request_cap(request, max_depth), remaining - 1))
 
     def _depths_at(self, requests: list[Request], caps: dict[str, int], width: int):
         return {
@@ -295,7 +296,3 @@ class AdaptiveDepthPolicy:
             "steps_parked": self._steps_parked,
             "last_choice": self.last_choice,
         }
-
-
-def goodput(expected_tokens: float, seconds: float) -> float:
-    return expected_tokens / seconds if seconds > 0 else math.inf

@@ -255,6 +255,8 @@ class AsyncEngine:
                 continue
             finally:
                 self._step_in_flight = False
+            # A looked-ahead next step computes on the MLX thread while this one is handled.
+            self._executor.submit(self._runner.advance)
             self.step_count += 1
             self.last_result = result
             for request in scheduler.apply(result):

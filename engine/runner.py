@@ -8,7 +8,12 @@ Everything MLX lives here and is touched only from the engine's single MLX threa
    over ``[anchor, drafts...]`` of every row (ragged depths padded to the widest and masked),
    every row sampled with its own sampler, the longest prefix where draft == sample accepted;
 4. **one** host sync; then per-row rollback of the rejected positions (O(1), lengths only),
-   committed features to the drafter sessions, and finished prefills join the batch.
+   committed features to the drafter sessions, and finished prefills join the batch;
+5. lookahead: when the plan says the next step will be plain decoding too, that step's
+   forward is built now and computed by `advance` (queued on the MLX thread right after this
+   step returns) while the asyncio loop streams this step's tokens and plans the next one.
+   The next `execute` uses it if its plan is indeed plain for every row, else rolls it back
+   (lengths only) and computes anew.
 
 With every depth 0 the step is plain batched decoding: no drafter forward at all.
 """
@@ -59,6 +64,27 @@ class _Decode:
     drafted_rows: int
 
 
+@dataclass
+class _Lookahead:
+    """A plain decode step launched before its plan arrived (see the module docstring)."""
+
+    decode: _Decode
+    rows: list[str]  # batch rows it was launched for, in order
+    keys: dict[str, mx.array | None]  # sampler keys before it, restored if it is discarded
+    launched: float
+
+    def select(self, rows: list[str]) -> None:
+        """Keep only `rows` (requests left the batch): their outputs, in that order."""
+        if rows == self.rows:
+            return
+        index = mx.array([self.rows.index(r) for r in rows], dtype=mx.int32)
+        d = self.decode
+        d.targets, d.accepted = d.targets[index], d.accepted[index]
+        d.features = None if d.features is None else d.features[index]
+        d.depths = [0] * len(rows)
+        self.rows = list(rows)
+
+
 class ModelRunner:
     """Owns the batched target cache (one row per decoding request) and the drafter."""
 
@@ -73,6 +99,7 @@ class ModelRunner:
         self.cache: list[RaggedKVCache] = [RaggedKVCache(0) for _ in target.layers]
         self.rows: list[str] = []  # request ids in batch-row order
         self.states: dict[str, _RowState] = {}
+        self._lookahead: _Lookahead | None = None
 
     @property
     def max_depth(self) -> int:
@@ -81,8 +108,11 @@ class ModelRunner:
     # ----------------------------------------------------------------- the step
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
+        lookahead, self._lookahead = self._lookahead, None
         for request_id in plan.removals:
             self._remove(request_id)
+        if lookahead is not None:
+            lookahead.select(self.rows)
         for admission in plan.admissions:
             self._admit(admission)
 
@@ -101,7 +131,13 @@ class ModelRunner:
             prefill_tokens += chunk.end - chunk.start
 
         self._draft_seconds = 0.0
-        decode = self._decode(plan.depths) if self.rows else None
+        decode, forward_started = None, started
+        if lookahead is not None and not any(plan.depths.get(r, 0) for r in self.rows):
+            decode, forward_started = lookahead.decode, lookahead.launched
+        elif lookahead is not None:
+            self._discard(lookahead)
+        if decode is None and self.rows:
+            decode = self._decode(plan.depths)
 
         # The step's one host synchronisation.
         mx.eval(
@@ -116,10 +152,14 @@ class ModelRunner:
             self._commit(decode, result)
         for request_id, token in first_tokens.items():
             result.first_tokens[request_id] = self._join(request_id, int(token.item()))
+        if plan.lookahead and self.rows:
+            self._lookahead = self._launch_lookahead()
         result.kv_bytes = self.kv_bytes
         finished = time.perf_counter()
         result.step_seconds = finished - started
-        forward = computed - started
+        # A looked-ahead forward ran since its launch, overlapped with the loop's work: its
+        # cost is the time from launch until its results were ready.
+        forward = computed - forward_started
         if self.profile_phases:
             result.phase_seconds = {
                 "draft": self._draft_seconds,
@@ -131,6 +171,29 @@ class ModelRunner:
         result.memory_active = mx.get_active_memory()
         result.memory_peak = mx.get_peak_memory()
         return result
+
+    # ----------------------------------------------------------------- lookahead
+    def _launch_lookahead(self) -> _Lookahead:
+        """Start the next plain decode step of every row now (after this step's joins)."""
+        keys = {r: self.states[r].key for r in self.rows}
+        decode = self._decode({})
+        return _Lookahead(decode, list(self.rows), keys, time.perf_counter())
+
+    def advance(self) -> None:
+        """Compute the launched lookahead step (if any). The engine queues this on the MLX
+        thread right after `execute` returns, so the forward runs while the asyncio loop
+        handles the step's results (a plain `mx.async_eval` would not do: on the CPU backend
+        it waits for most of a large graph before returning)."""
+        if self._lookahead is not None:
+            mx.eval(self._lookahead.decode.targets)
+
+    def _discard(self, lookahead: _Lookahead) -> None:
+        """The plan was not plain after all: roll back the looked-ahead position of every row
+        (lengths only) and give the rows their sampler keys back, as if it never ran."""
+        for layer_cache in self.cache:
+            layer_cache.trim_rows([1] * len(self.rows))
+        for request_id in self.rows:
+            self.states[request_id].key = lookahead.keys[request_id]
 
     # ----------------------------------------------------------------- decode
     def _decode(self, depth_by_id: dict[str, int]) -> _Decode:
@@ -263,8 +326,12 @@ class ModelRunner:
         return total + sum(c.nbytes for c in drafter_cache)
 
     def cache_lengths(self) -> dict[str, int]:
-        """Target cache length of every decoding row (for invariant checks)."""
-        return dict(zip(self.rows, self.cache[0].lengths)) if self.cache else {}
+        """Committed target cache length of every decoding row (for invariant checks); a
+        looked-ahead position is not committed yet."""
+        if not self.cache:
+            return {}
+        ahead = 1 if self._lookahead is not None else 0
+        return {r: n - ahead for r, n in zip(self.rows, self.cache[0].lengths)}
 
     def draft_rows(self) -> dict[str, tuple[int, int]]:
         """(context rows, pending rows) of every decoding row's draft session."""

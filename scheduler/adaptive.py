@@ -274,6 +274,11 @@ class AdaptiveDepthPolicy:
             )
         return {r.request_id: 0 for r in requests}
 
+    def expects_plain_next(self) -> bool:
+        """Parked now: the next step parks too unless a probe falls due (or the measured
+        costs or the batch change the decision, which the runner then absorbs)."""
+        return (self._steps_parked + 1) % self._probe_interval != 0
+
     def seed(self, samples: list[tuple[int, int, float]]) -> None:
         """Seed the cost model with a warm-up profile: (batch, width, seconds) triples."""
         for batch, width, seconds in samples:

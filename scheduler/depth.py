@@ -21,6 +21,10 @@ class DepthPolicy(Protocol):
         """Learn from a finished step (acceptance, measured cost)."""
         ...
 
+    # Optional: ``expects_plain_next() -> bool``, asked after a step whose depths were all 0:
+    # True when the next step will most likely be plain too (the runner may then launch it
+    # early). Policies without it never get a lookahead (unless there is no drafter).
+
 
 def request_cap(request: Request, max_depth: int) -> int:
     """The most a request allows: its `num_speculative_tokens` (None = no cap) and the drafter's."""
@@ -41,3 +45,7 @@ class FixedDepthPolicy:
 
     def observe(self, result: StepResult) -> None:
         pass
+
+    def expects_plain_next(self) -> bool:
+        # Stateless: the same requests get depth 0 again (their budgets only shrink).
+        return True

@@ -36,6 +36,9 @@ class StepPlan:
     admissions: list[Admission] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     depths: dict[str, int] = field(default_factory=dict)  # every decoding request's verify depth
+    # The scheduler expects the next step to be plain decoding for every row, so the runner
+    # may launch it early (a hint: a wrong guess costs one forward, never correctness).
+    lookahead: bool = False
 
     @property
     def empty(self) -> bool:

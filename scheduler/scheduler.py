@@ -135,7 +135,18 @@ class Scheduler:
                         request, chosen[request.request_id]
                     )
         self.last_depths = dict(plan.depths)
+        plan.lookahead = (
+            bool(self.running) and not any(plan.depths.values()) and (self._expects_plain_next())
+        )
         return plan
+
+    def _expects_plain_next(self) -> bool:
+        """After a plain step: will the next one be plain for every row too? (The runner
+        then launches it early; a wrong guess costs one forward.)"""
+        if self.max_depth == 0:
+            return True
+        hint = getattr(self.policy, "expects_plain_next", None)
+        return bool(hint is not None and hint())
 
     def _parked_reason(self, request: Request, chosen: int) -> str:
         """Why a request decodes without drafting this step (a metric label)."""

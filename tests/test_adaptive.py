@@ -162,3 +162,19 @@ def test_request_caps_and_budgets_are_respected():
     assert max(max(d.values()) for d in history) <= 3
     off = make_requests(1, cap=0)
     assert all(d["r0"] == 0 for d in sim.run(AdaptiveDepthPolicy(), off, 50))
+
+
+def test_parked_policy_predicts_the_next_step_plain_except_probes():
+    """`expects_plain_next` (the runner's lookahead hint) is right on almost every parked step
+    and false exactly before the steps that probe."""
+    sim = Simulator(lambda b, w: 0.030 + 0.019 * b * w, lambda _: [0.05] * 15)
+    policy = AdaptiveDepthPolicy()
+    requests = make_requests(2)
+    sim.run(policy, requests, 200)
+    misses = probes = 0
+    for _ in range(600):
+        predicted_plain = policy.expects_plain_next()
+        depths = sim.step(policy, requests)
+        probes += any(depths.values())
+        misses += predicted_plain == any(depths.values())
+    assert misses == 0 and probes >= 2

@@ -172,6 +172,60 @@ async def test_depth_zero_runs_the_plain_path_without_drafter_forwards(
     assert all(last.drafted_tokens == 0 for _, last in results)
 
 
+class PlainPlainDraftPolicy:
+    """Depths 0, 0, 3, 0, 0, 3, ... for everyone, always predicting a plain next step: the
+    runner launches a lookahead after every plain step, uses it once and discards it once."""
+
+    def __init__(self, lookahead: bool) -> None:
+        self.steps = 0
+        self.lookahead = lookahead
+
+    def choose(self, requests, max_depth: int) -> dict[str, int]:
+        self.steps += 1
+        depth = 3 if self.steps % 3 == 0 else 0
+        return {r.request_id: depth for r in requests}
+
+    def observe(self, result) -> None:
+        pass
+
+    def expects_plain_next(self) -> bool:
+        return self.lookahead
+
+
+async def test_lookahead_used_and_discarded_keeps_outputs_exact(qwen3_target_dir, vocab_size):
+    """A looked-ahead plain step that is used or rolled back (cache lengths, sampler keys)
+    changes nothing: greedy output equals mlx-lm, seeded sampling equals the same run without
+    lookahead, and the invariants hold after every step."""
+    requests = [(f"q{i}", [5 + i, 17, 99 - i], 10 + i, None, 0) for i in range(6)]
+    model, _ = load_target_model(qwen3_target_dir)
+    references = [p + plain_greedy(model, p, m) for _, p, m, _, _ in requests]
+    config = EngineConfig(target=str(qwen3_target_dir), max_num_seqs=8)
+
+    async def run(lookahead: bool) -> tuple[list[list[int]], int, int]:
+        policy = PlainPlainDraftPolicy(lookahead)
+        engine = ScriptedEngine(config, references, vocab_size, [2, 0, 3], depth_policy=policy)
+        async with engine:
+            runner = engine._runner
+            used, discarded = [], []
+            original_discard = runner._discard
+            runner._discard = lambda la: discarded.append(1) or original_discard(la)
+            engine.step_hooks.append(lambda r: used.append(runner._lookahead is not None))
+            failures = check_invariants(engine)
+            greedy = await run_all(engine, requests)
+            sampled = await run_all(engine, requests, temperature=1.0, seed=7)
+            await wait_idle(engine)
+            assert engine.kv_bytes() == 0
+        assert not failures, failures[:5]
+        for reference, (_, prompt, _, _, _), (tokens, _) in zip(references, requests, greedy):
+            assert tokens == reference[len(prompt) :]
+        return [t for t, _ in sampled], sum(used), len(discarded)
+
+    outcomes = {lookahead: await run(lookahead) for lookahead in (True, False)}
+    assert outcomes[True][0] == outcomes[False][0]
+    assert outcomes[True][1] > 5 and outcomes[True][2] > 5, outcomes[True][1:]
+    assert outcomes[False][1:] == (0, 0)
+
+
 # chi-square critical values at alpha = 0.001 by degrees of freedom
 _CHI2_CRITICAL = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26]
 

@@ -292,7 +292,7 @@ against mlx-lm's plain `stream_generate` on the same target, interleaved per pro
 ## Limits
 
 This is a small pair trained in about {hours:.1f} hours of 2-core CPU time. The target saw
-{facts['pretrain_tokens'] / 1e6:.1f}M tokens and the drafter {facts['data_tokens'] / 1e3:.0f}k
+{facts["pretrain_tokens"] / 1e6:.1f}M tokens and the drafter {facts["data_tokens"] / 1e3:.0f}k
 target-generated tokens (published DFlash drafters
 train on hundreds of thousands of samples), so acceptance is modest: at this tau a fixed
 depth-15 block costs more than it saves on a CPU, and the engine's adaptive depth controller

@@ -88,6 +88,13 @@ def main(argv: list[str] | None = None) -> None:
             "seconds": previous + time.perf_counter() - started,
         }
         summary_file.write_text(json.dumps(summary))
+        # Each sitting's schedule length matters (a resumed run restarts the cosine for its
+        # new total), so the model card lists every sitting's command.
+        runs_file = args.work_dir / "drafter_runs.json"
+        runs = json.loads(runs_file.read_text()) if runs_file.exists() else []
+        if not runs or runs[-1]["steps"] != result.step:
+            runs.append({"steps": result.step, "data_prompts": pair.count_records(args.work_dir)})
+        runs_file.write_text(json.dumps(runs))
     if "export-drafter" in stages:
         print(f"drafter exported to {pair.export_drafter(args.work_dir)}")
     if "eval" in stages:

@@ -125,6 +125,14 @@ def generate_drafter_data(
     return out_path
 
 
+def count_records(work: Path) -> int:
+    """Complete records in the drafter data file (what a training run reads)."""
+    path = work / "drafter_data.jsonl"
+    if not path.exists():
+        return 0
+    return sum(1 for line in path.read_text().splitlines(keepends=True) if line.endswith("\n"))
+
+
 # ----------------------------------------------------------------------------- drafter
 def train_bundled_drafter(
     work: Path, target_dir: Path, steps: int, num_layers: int = 2, num_features: int = 3, log=print
@@ -234,6 +242,11 @@ def write_model_card(work: Path, facts: dict, path: Path = PACKAGE_DIR / "MODEL_
         for name, r in ev.items()
     )
     hours = (facts["pretrain_minutes"] + facts["drafter_minutes"]) / 60
+    drafter_commands = "\n".join(
+        f"python -m engine.bundled.build --stages data,drafter --data-prompts "
+        f"{run['data_prompts']} --drafter-steps {run['steps']}"
+        for run in facts["drafter_runs"]
+    )
     text = f"""# flashbatch bundled model pair
 
 A small Qwen3-architecture target and a DFlash drafter trained for it, built from scratch on
@@ -304,10 +317,15 @@ stages resume: rerun them with more `--steps` / `--data-prompts` / `--drafter-st
 ```bash
 python -m engine.bundled.build --stages corpus,tokenizer,pretrain \\
     --steps {facts["pretrain"]["steps"]}
-python -m engine.bundled.build \\
-    --stages export-target,workloads,data,drafter,export-drafter,eval,card \\
-    --data-prompts {facts["data_prompts"]} --drafter-steps {facts["drafter_steps"]}
+python -m engine.bundled.build --stages export-target,workloads
+{drafter_commands}
+python -m engine.bundled.build --stages export-drafter,eval,card
 ```
+
+The drafter was trained in {len(facts["drafter_runs"])} sitting(s); each resumed the previous
+checkpoint with a new total, which restarts the cosine schedule for that total, so the
+sittings above are the exact recipe (data prompts are cut with a fixed seed: a larger
+`--data-prompts` extends the same list).
 
 Every stage checkpoints into `~/.cache/flashbatch/bundle-build` and resumes after an
 interruption. Exact numbers vary with the Python version's standard library.
@@ -362,6 +380,7 @@ def collect_facts(work: Path, target_dir: Path = BUNDLED_TARGET,
         "data_prompts": len(records),
         "data_tokens": sum(len(r["tokens"]) - r["prompt_tokens"] for r in records),
         "drafter_steps": summary["steps"],
+        "drafter_runs": _drafter_runs(work, summary["steps"], len(records)),
         "drafter_loss": summary["loss"],
         "drafter_acc": summary["acc"],
         "drafter_minutes": summary["seconds"] / 60,
@@ -369,6 +388,14 @@ def collect_facts(work: Path, target_dir: Path = BUNDLED_TARGET,
         "eval_prompts": evaluation["prompts"],
         "eval_max_tokens": evaluation["max_tokens"],
     }
+
+
+def _drafter_runs(work: Path, steps: int, data_prompts: int) -> list[dict]:
+    """The drafter's training sittings (one, if the build did not record them)."""
+    runs_file = work / "drafter_runs.json"
+    if runs_file.exists():
+        return json.loads(runs_file.read_text())
+    return [{"steps": steps, "data_prompts": data_prompts}]
 
 
 def _logged_rate(work: Path) -> float:

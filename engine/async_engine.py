@@ -52,6 +52,11 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     verify_steps: int = 0
 
 
+def _log_failure(future: Any) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("lookahead forward failed", exc_info=future.exception())
+
+
 class AsyncEngine:
     """Continuous-batching engine with a DFlash draft session per request."""
 
@@ -255,8 +260,9 @@ class AsyncEngine:
                 continue
             finally:
                 self._step_in_flight = False
-            # A looked-ahead next step computes on the MLX thread while this one is handled.
-            self._executor.submit(self._runner.advance)
+            # A looked-ahead next step computes on the MLX thread while this one is handled
+            # (if it fails, the next step's sync fails the same way and is handled there).
+            self._executor.submit(self._runner.advance).add_done_callback(_log_failure)
             self.step_count += 1
             self.last_result = result
             for request in scheduler.apply(result):

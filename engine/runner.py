@@ -71,7 +71,8 @@ class _Lookahead:
     decode: _Decode
     rows: list[str]  # batch rows it was launched for, in order
     keys: dict[str, mx.array | None]  # sampler keys before it, restored if it is discarded
-    launched: float
+    build_seconds: float  # building its graph (at the end of the previous step)
+    eval_seconds: float = 0.0  # computing it (in `advance`)
 
     def select(self, rows: list[str]) -> None:
         """Keep only `rows` (requests left the batch): their outputs, in that order."""
@@ -131,9 +132,10 @@ class ModelRunner:
             prefill_tokens += chunk.end - chunk.start
 
         self._draft_seconds = 0.0
-        decode, forward_started = None, started
+        decode, ahead_seconds = None, 0.0
         if lookahead is not None and not any(plan.depths.get(r, 0) for r in self.rows):
-            decode, forward_started = lookahead.decode, lookahead.launched
+            decode = lookahead.decode
+            ahead_seconds = lookahead.build_seconds + lookahead.eval_seconds
         elif lookahead is not None:
             self._discard(lookahead)
         if decode is None and self.rows:
@@ -156,10 +158,10 @@ class ModelRunner:
             self._lookahead = self._launch_lookahead()
         result.kv_bytes = self.kv_bytes
         finished = time.perf_counter()
-        result.step_seconds = finished - started
-        # A looked-ahead forward ran since its launch, overlapped with the loop's work: its
-        # cost is the time from launch until its results were ready.
-        forward = computed - forward_started
+        # A used lookahead was built and computed before this call (overlapped with the
+        # loop's work): its time counts here, so the cost model sees what the forward cost.
+        result.step_seconds = finished - started + ahead_seconds
+        forward = computed - started + ahead_seconds
         if self.profile_phases:
             result.phase_seconds = {
                 "draft": self._draft_seconds,
@@ -175,17 +177,21 @@ class ModelRunner:
     # ----------------------------------------------------------------- lookahead
     def _launch_lookahead(self) -> _Lookahead:
         """Start the next plain decode step of every row now (after this step's joins)."""
+        started = time.perf_counter()
         keys = {r: self.states[r].key for r in self.rows}
         decode = self._decode({})
-        return _Lookahead(decode, list(self.rows), keys, time.perf_counter())
+        return _Lookahead(decode, list(self.rows), keys, time.perf_counter() - started)
 
     def advance(self) -> None:
         """Compute the launched lookahead step (if any). The engine queues this on the MLX
         thread right after `execute` returns, so the forward runs while the asyncio loop
         handles the step's results (a plain `mx.async_eval` would not do: on the CPU backend
         it waits for most of a large graph before returning)."""
-        if self._lookahead is not None:
-            mx.eval(self._lookahead.decode.targets)
+        lookahead = self._lookahead
+        if lookahead is not None and not lookahead.eval_seconds:
+            started = time.perf_counter()
+            mx.eval(lookahead.decode.targets)
+            lookahead.eval_seconds = time.perf_counter() - started
 
     def _discard(self, lookahead: _Lookahead) -> None:
         """The plan was not plain after all: roll back the looked-ahead position of every row

@@ -47,5 +47,4 @@ class FixedDepthPolicy:
         pass
 
     def expects_plain_next(self) -> bool:
-        # Stateless: the same requests get depth 0 again (their budgets only shrink).
-        return True
+        return self.num_speculative_tokens == 0

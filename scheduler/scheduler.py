@@ -136,7 +136,9 @@ class Scheduler:
                     )
         self.last_depths = dict(plan.depths)
         plan.lookahead = (
-            bool(self.running) and not any(plan.depths.values()) and (self._expects_plain_next())
+            not any(plan.depths.values())
+            and any(r.params.max_tokens - r.generated > 1 for r in self.running)
+            and self._expects_plain_next()
         )
         return plan
 

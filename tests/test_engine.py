@@ -194,36 +194,64 @@ class PlainPlainDraftPolicy:
 
 async def test_lookahead_used_and_discarded_keeps_outputs_exact(qwen3_target_dir, vocab_size):
     """A looked-ahead plain step that is used or rolled back (cache lengths, sampler keys)
-    changes nothing: greedy output equals mlx-lm, seeded sampling equals the same run without
-    lookahead, and the invariants hold after every step."""
+    changes nothing: greedy output equals mlx-lm (also with staggered arrivals, so rows join
+    while a lookahead is in use), seeded sampling equals the same run without lookahead, and
+    the invariants hold after every step."""
     requests = [(f"q{i}", [5 + i, 17, 99 - i], 10 + i, None, 0) for i in range(6)]
+    staggered = [(f"s{i}", [9 + i, 3, 50 + i], 14, None, 0.02 * i) for i in range(6)]
     model, _ = load_target_model(qwen3_target_dir)
-    references = [p + plain_greedy(model, p, m) for _, p, m, _, _ in requests]
+    references = [p + plain_greedy(model, p, m) for _, p, m, _, _ in requests + staggered]
     config = EngineConfig(target=str(qwen3_target_dir), max_num_seqs=8)
 
-    async def run(lookahead: bool) -> tuple[list[list[int]], int, int]:
+    async def run(lookahead: bool, strict: bool, batches) -> tuple[list, int, int]:
         policy = PlainPlainDraftPolicy(lookahead)
         engine = ScriptedEngine(config, references, vocab_size, [2, 0, 3], depth_policy=policy)
         async with engine:
             runner = engine._runner
+            runner.drafter.strict = strict
             used, discarded = [], []
-            original_discard = runner._discard
+            original_discard, original_execute = runner._discard, runner.execute
             runner._discard = lambda la: discarded.append(1) or original_discard(la)
-            engine.step_hooks.append(lambda r: used.append(runner._lookahead is not None))
+
+            def execute(plan):
+                pending, before = runner._lookahead is not None, len(discarded)
+                result = original_execute(plan)
+                if pending and len(discarded) == before and result.batch_size:
+                    used.append(1)
+                return result
+
+            runner.execute = execute
             failures = check_invariants(engine)
-            greedy = await run_all(engine, requests)
-            sampled = await run_all(engine, requests, temperature=1.0, seed=7)
+            outputs = []
+            for batch, params in batches:
+                outputs.append(await run_all(engine, batch, **params))
             await wait_idle(engine)
             assert engine.kv_bytes() == 0
         assert not failures, failures[:5]
-        for reference, (_, prompt, _, _, _), (tokens, _) in zip(references, requests, greedy):
-            assert tokens == reference[len(prompt) :]
-        return [t for t, _ in sampled], sum(used), len(discarded)
+        return outputs, len(used), len(discarded)
 
-    outcomes = {lookahead: await run(lookahead) for lookahead in (True, False)}
-    assert outcomes[True][0] == outcomes[False][0]
-    assert outcomes[True][1] > 5 and outcomes[True][2] > 5, outcomes[True][1:]
-    assert outcomes[False][1:] == (0, 0)
+    def assert_greedy_exact(batch, results) -> None:
+        for (request_id, prompt, max_tokens, _, _), (tokens, _) in zip(batch, results):
+            assert tokens == plain_greedy(model, prompt, max_tokens), request_id
+
+    # Greedy, the scripted drafter strict about the committed order; arrivals at once and
+    # staggered.
+    (at_once, spread), used, discarded = await run(True, True, [(requests, {}), (staggered, {})])
+    assert_greedy_exact(requests, at_once)
+    assert_greedy_exact(staggered, spread)
+    assert used > 5 and discarded > 5, (used, discarded)
+    # Seeded sampling: identical with and without lookahead.
+    sampled = {}
+    for lookahead in (True, False):
+        (results,), used, discarded = await run(
+            lookahead, False, [(requests, {"temperature": 1.0, "seed": 7})]
+        )
+        sampled[lookahead] = [tokens for tokens, _ in results]
+        if lookahead:
+            assert used > 3 and discarded > 3, (used, discarded)
+        else:
+            assert (used, discarded) == (0, 0)
+    assert sampled[True] == sampled[False]
 
 
 # chi-square critical values at alpha = 0.001 by degrees of freedom

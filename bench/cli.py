@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 WORKLOADS = ("completion", "editing", "prose", "mixed")
 ENGINE_KINDS = ("mlx-lm", "batch-generator", "mlx-lm-spec", "flashbatch")
-DEFAULT_AR_DRAFT = "~/.cache/flashbatch/ar-draft"
+DEFAULT_AR_DRAFT = str(Path(__file__).with_name("ar_draft"))  # shipped; bench/train_ar_draft.py
 
 
 def _csv(kind: type) -> Callable[[str], list]:

@@ -1,13 +1,15 @@
 """Train the autoregressive draft model that mlx-lm's speculative decoding uses in
 `flashbatch bench run` (the "classic" speculative-decoding peer of the DFlash drafter).
 
-    python bench/train_ar_draft.py [--out ~/.cache/flashbatch/ar-draft] [--steps 1000]
-        [--hidden 128 --layers 2] [--tokenizer DIR]
+    python bench/train_ar_draft.py [--out bench/ar_draft] [--steps 500]
+        [--hidden 128 --layers 2] [--tokenizer DIR] [--work-dir ~/.cache/flashbatch/ar-draft/work]
 
 A small Qwen3 with the target's (by default the bundled pair's) tokenizer, pretrained on the
 same Python-standard-library corpus as the bundled target with `engine.bundled.pretrain`. Work
-goes to `<out>/work` and resumes where it stopped (run the same command again); when training is
-done, `<out>` is an mlx-lm model directory (config.json, model.safetensors, tokenizer).
+goes to `--work-dir` and resumes where it stopped (run the same command again); when training
+is done, `<out>` is an mlx-lm model directory (config.json, bf16 weights, tokenizer). The
+repository ships the result in `bench/ar_draft` (0.9M parameters, 1.8 MB), which `flashbatch
+bench run` uses by default, so the benchmark reproduces on a fresh clone without training.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import json
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
+
 from engine.bundled.pretrain import PretrainConfig, TargetSize, pretrain_target, split_corpus
 
-DEFAULT_OUT = Path("~/.cache/flashbatch/ar-draft")
+DEFAULT_OUT = Path(__file__).with_name("ar_draft")
+DEFAULT_WORK = Path("~/.cache/flashbatch/ar-draft/work")
 TOKENIZER_PREFIXES = ("tokenizer", "special_tokens", "added_tokens", "chat_template", "vocab",
                       "merges")  # fmt: skip
 
@@ -56,10 +61,14 @@ def train_ar_draft(
     config: PretrainConfig,
     corpus_root: Path | None = None,
     log=print,
+    work: Path | None = None,
 ) -> Path:
-    """Pretrain (resumably) and export the draft to `out`; return `out`."""
+    """Pretrain (resumably, in `work`, default `<out>/work`) and export the draft to `out`
+    (bf16 storage); return `out`."""
+    from engine.bundled.pair import save_sharded
+
     out = Path(out).expanduser()
-    work = out / "work"
+    work = Path(work).expanduser() if work is not None else out / "work"
     if not (work / "tokenizer" / "tokenizer.json").is_file():
         _copy_tokenizer(Path(tokenizer_dir), work / "tokenizer")
     split_corpus(work, corpus_root)
@@ -67,8 +76,11 @@ def train_ar_draft(
     state = json.loads((checkpoint / "state.json").read_text())
     if state["step"] < config.steps:
         raise RuntimeError(f"training stopped at step {state['step']}/{config.steps}")
-    shutil.copy(checkpoint / "model.safetensors", out / "model.safetensors")
-    shutil.copy(checkpoint / "config.json", out / "config.json")
+    out.mkdir(parents=True, exist_ok=True)
+    save_sharded(mx.load(str(checkpoint / "model.safetensors")), out, mx.bfloat16)
+    config_json = json.loads((checkpoint / "config.json").read_text())
+    config_json["torch_dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
     _copy_tokenizer(work / "tokenizer", out)
     (out / "ar_draft.json").write_text(
         json.dumps({"steps": state["step"], "history": state["history"][-5:]}, indent=1) + "\n"
@@ -91,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument(
+        "--work-dir", type=Path, default=DEFAULT_WORK, help="training checkpoints (resumes)"
+    )
+    parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -111,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         learning_rate=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every,
     )  # fmt: skip
     size = draft_size(args.hidden, args.layers, args.head_dim)
-    train_ar_draft(args.out, args.tokenizer, size, config, args.corpus_root)
+    train_ar_draft(args.out, args.tokenizer, size, config, args.corpus_root, work=args.work_dir)
     return 0
 
 

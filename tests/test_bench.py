@@ -10,8 +10,10 @@ import shutil
 import statistics
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from bench.engines import BenchEngine
 from bench.serve_load import (
@@ -171,7 +173,7 @@ def test_cli_quick_with_trained_ar_draft(tmp_path, qwen3_target_dir, drafter_dir
     ar = tmp_path / "ar-draft"
     small = ["--hidden", "32", "--layers", "1", "--head-dim", "16", "--batch-size", "2",
              "--seq-len", "32", "--corpus-root", str(corpus), "--tokenizer", str(tokenizer_dir),
-             "--out", str(ar)]  # fmt: skip
+             "--out", str(ar), "--work-dir", str(tmp_path / "ar-work")]  # fmt: skip
     assert train_ar_draft([*small, "--steps", "2"]) == 0
     assert train_ar_draft([*small, "--steps", "3"]) == 0  # resumes from step 2
     assert "resuming target pretraining at step 2/3" in capsys.readouterr().out
@@ -308,3 +310,26 @@ def test_serve_compare_flashbatch_and_mlx_lm(tmp_path, qwen3_target_dir, drafter
         assert saved["servers"][name]["summary"]["completed"] == 3
         assert saved["servers"][name]["summary"]["total_output_tokens"] == 12
     assert "| output tok/s |" in printed and "flashbatch / mlx-lm" in printed
+
+
+def test_shipped_ar_draft_pairs_with_the_bundled_target():
+    """The AR draft `bench run` uses by default loads with mlx-lm, has the bundled target's
+    tokenizer and vocabulary, and is an order of magnitude smaller."""
+    from bench.cli import DEFAULT_AR_DRAFT
+    from engine.bundled.pair import bundled_paths
+    from engine.loading import load_target_model
+
+    draft_dir, (target_dir, _) = Path(DEFAULT_AR_DRAFT), bundled_paths()
+    assert (draft_dir / "tokenizer.json").read_bytes() == (
+        target_dir / "tokenizer.json"
+    ).read_bytes()
+    draft, _ = load_target_model(draft_dir)
+    target, _ = load_target_model(target_dir)
+
+    def params(model) -> int:
+        return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+    assert draft.args.vocab_size == target.args.vocab_size
+    assert params(draft) * 10 < params(target)
+    out = draft(mx.array([[1, 2, 3]]))
+    assert out.shape == (1, 3, target.args.vocab_size)

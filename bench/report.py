@@ -93,6 +93,7 @@ def markdown_report(results: dict) -> str:
     for eng in results.get("engines", []):
         status = "ok" if eng["status"] == "ok" else "**FAILED**: " + _cell(eng.get("error"))
         lines.append(f"| {eng['name']} | {_cell(eng.get('description', ''))} | {status} |")
+    lines += ["", *summary_table(results)]
     for workload, temperature in _cells(results):
         lines += [
             "",
@@ -119,6 +120,41 @@ def markdown_report(results: dict) -> str:
     elif meta.get("plots_note"):
         lines += ["", f"Plots: {meta['plots_note']}"]
     return "\n".join(lines)
+
+
+def summary_table(results: dict) -> list[str]:
+    """One line per workload, temperature and concurrency: the best mlx-lm baseline and every
+    flashbatch engine's ratio to it (the table the README quotes)."""
+    rows = results["rows"]
+    ours = list(dict.fromkeys(r["engine"] for r in rows if r["family"] == "flashbatch"))
+    if not ours:
+        return []
+    lines = [
+        "## Summary: flashbatch / best mlx-lm baseline",
+        "",
+        "| workload | T | c | best mlx-lm | tok/s | " + " | ".join(ours) + " | tau (adaptive) |",
+        "|---|---:|---:|---|---:|" + "---:|" * len(ours) + "---:|",
+    ]
+    keys = list(dict.fromkeys((r["workload"], r["temperature"], r["concurrency"]) for r in rows))
+    for workload, temperature, concurrency in keys:
+        cell = {r["engine"]: r for r in rows
+                if (r["workload"], r["temperature"], r["concurrency"])
+                == (workload, temperature, concurrency)}  # fmt: skip
+        mine = [cell.get(name) for name in ours]
+        first = next((r for r in mine if r and r.get("baseline")), None)
+        if first is None:
+            continue
+        ratios = [
+            "-" if r is None or r.get("ratio") is None else f"{r['ratio']:.2f}x" for r in mine
+        ]
+        adaptive = cell.get("flashbatch adaptive") or {}
+        lines.append(
+            f"| {workload} | {temperature:g} | {concurrency} | {first['baseline']} | "
+            f"{_fmt(first.get('baseline_tok_s'))} | "
+            + " | ".join(ratios)
+            + f" | {_fmt(adaptive.get('tau'), '.2f')} |"
+        )
+    return lines
 
 
 def _slug(workload: str, temperature: float) -> str:

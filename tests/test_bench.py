@@ -99,6 +99,13 @@ def test_quick_suite_outputs_and_measured_numbers(tmp_path, qwen3_target_dir, dr
         assert (out / "plots" / name).read_bytes()[:4] == b"\x89PNG"
     markdown = (out / "results.md").read_text()
     assert "## completion, temperature 0" in markdown
+    # The summary line of each concurrency: best baseline and every flashbatch engine's ratio.
+    best = max((r for r in results["rows"] if r["family"] == "mlx-lm" and r["status"] == "ok"
+                and r["concurrency"] == (1 if r["single_stream"] else 2)),
+               key=lambda r: r["tok_s"])  # fmt: skip
+    adaptive = _rows(results)[("flashbatch adaptive", 2)]
+    assert adaptive["baseline"] == best["engine"]
+    assert f"| completion | 0 | 2 | {best['engine']} | {best['tok_s']:.1f} |" in markdown
     assert (
         "| 2 | flashbatch adaptive |" in markdown
         and "plots/throughput_completion_t0.png" in markdown

@@ -131,6 +131,31 @@ class RaggedKVCache:
             self.keys = self.keys[index, :, :end, :]
             self.values = self.values[index, :, :end, :]
 
+    def extend_many(self, others: list[RaggedKVCache]) -> None:
+        """Append the rows of every cache in ``others`` with one copy (requests joining the
+        batch in the same step)."""
+        parts = [c for c in [self, *others] if c.batch_size]
+        lengths = [n for c in parts for n in c.lengths]
+        filled = [c for c in parts if c.keys is not None]
+        if filled and len(parts) > 1:
+            cap = max(c.keys.shape[2] for c in filled)
+            shape_k, shape_v = filled[0].keys.shape[1:], filled[0].values.shape[1:]
+            dtype = filled[0].keys.dtype
+            keys, values = [], []
+            for c in parts:
+                if c.keys is None:
+                    keys.append(mx.zeros((c.batch_size, shape_k[0], cap, shape_k[2]), dtype))
+                    values.append(mx.zeros((c.batch_size, shape_v[0], cap, shape_v[2]), dtype))
+                else:
+                    keys.append(_pad_capacity(c.keys, cap))
+                    values.append(_pad_capacity(c.values, cap))
+            self.keys = mx.concatenate(keys, axis=0)
+            self.values = mx.concatenate(values, axis=0)
+        elif filled:
+            self.keys, self.values = filled[0].keys, filled[0].values
+        self.lengths = lengths
+        self._offset = None
+
     def extend(self, other: RaggedKVCache) -> None:
         """Append the rows of ``other`` (requests joined the batch). Copies both caches."""
         if other.keys is None:

@@ -110,8 +110,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
         lookahead, self._lookahead = self._lookahead, None
-        for request_id in plan.removals:
-            self._remove(request_id)
+        self._remove(plan.removals)
         if lookahead is not None:
             lookahead.select(self.rows)
         for admission in plan.admissions:
@@ -152,8 +151,8 @@ class ModelRunner:
         result = StepResult(prefill_tokens=prefill_tokens)
         if decode is not None:
             self._commit(decode, result)
-        for request_id, token in first_tokens.items():
-            result.first_tokens[request_id] = self._join(request_id, int(token.item()))
+        result.first_tokens = {r: int(token.item()) for r, token in first_tokens.items()}
+        self._join(result.first_tokens)
         if plan.lookahead and self.rows:
             self._lookahead = self._launch_lookahead()
         result.kv_bytes = self.kv_bytes
@@ -273,33 +272,40 @@ class ModelRunner:
             prefill_cache=[RaggedKVCache(1) for _ in self.target.layers],
         )
 
-    def _join(self, request_id: str, first_token: int) -> int:
-        """A prefilled request joins the decode batch (copies its cache into the batch)."""
-        state = self.states[request_id]
-        for batch_cache, own in zip(self.cache, state.prefill_cache):
-            batch_cache.extend(own)
-        state.prefill_cache = None
-        self.rows.append(request_id)
-        if self.drafter is not None:
-            state.session = self.drafter.open(state.prompt_ids)
-            if state.prefill_features:
-                features = mx.concatenate(state.prefill_features, axis=0)
-                self.drafter.commit(state.session, features, state.prompt_ids)
-            state.prefill_features = []
-        state.anchor = first_token
-        return first_token
-
-    def _remove(self, request_id: str) -> None:
-        state = self.states.pop(request_id, None)
-        if state is None:
+    def _join(self, first_tokens: dict[str, int]) -> None:
+        """Prefilled requests join the decode batch: their caches are appended to the batch
+        cache in one copy per layer, however many join this step."""
+        if not first_tokens:
             return
-        if request_id in self.rows:
-            keep = [i for i, r in enumerate(self.rows) if r != request_id]
+        states = [self.states[r] for r in first_tokens]
+        for layer, batch_cache in enumerate(self.cache):
+            batch_cache.extend_many([s.prefill_cache[layer] for s in states])
+        for state, first_token in zip(states, first_tokens.values()):
+            state.prefill_cache = None
+            self.rows.append(state.request_id)
+            if self.drafter is not None:
+                state.session = self.drafter.open(state.prompt_ids)
+                if state.prefill_features:
+                    features = mx.concatenate(state.prefill_features, axis=0)
+                    self.drafter.commit(state.session, features, state.prompt_ids)
+            state.prefill_features = []
+            state.anchor = first_token
+
+    def _remove(self, request_ids: list[str]) -> None:
+        """Finished or aborted requests leave: one filter (copy) per layer for all of them."""
+        leaving = set()
+        for request_id in request_ids:
+            state = self.states.pop(request_id, None)
+            if state is None:
+                continue
+            leaving.add(request_id)
+            if state.session is not None:
+                self.drafter.close(state.session)
+        keep = [i for i, r in enumerate(self.rows) if r not in leaving]
+        if len(keep) < len(self.rows):
             for layer_cache in self.cache:
                 layer_cache.filter(keep)
             self.rows = [self.rows[i] for i in keep]
-        if state.session is not None:
-            self.drafter.close(state.session)
 
     def profile(self, widths: tuple[int, ...] = (1, 2, 4, 8, 16), context: int = 64,
                 repeats: int = 2) -> list[tuple[int, int, float]]:  # fmt: skip

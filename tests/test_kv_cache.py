@@ -79,6 +79,37 @@ def test_filter_and_extend_keep_rows_intact(qwen3_target_dir):
     assert batch[0].nbytes == 0 and batch[0].batch_size == 0
 
 
+def test_extend_many_joins_several_rows_in_one_copy(qwen3_target_dir):
+    """`extend_many` (the runner's per-step join) equals one-by-one `extend`, including an
+    empty batch, a short cache joining a long one, and a cache with no keys yet."""
+    model, _ = load_target_model(qwen3_target_dir)
+    sequences = [[5, 6, 7, 8, 9] * 60, [10, 11], [12, 13, 14]]  # 300 > one capacity step
+
+    def prefill(seq):
+        cache = [RaggedKVCache(1) for _ in model.layers]
+        model(mx.array([seq]), cache=cache)
+        return cache
+
+    one_by_one = [RaggedKVCache(0) for _ in model.layers]
+    at_once = [RaggedKVCache(0) for _ in model.layers]
+    for layer in range(len(model.layers)):
+        for seq in sequences:
+            one_by_one[layer].extend(prefill(seq)[layer])
+    caches = [prefill(seq) for seq in sequences]
+    for layer, batch_cache in enumerate(at_once):
+        batch_cache.extend_many([c[layer] for c in caches] + [RaggedKVCache(1)])
+    assert at_once[0].lengths == [300, 2, 3, 0]
+    for a, b in zip(one_by_one, at_once):
+        assert a.lengths == b.lengths[:3]
+        for x, y in zip(a.state, b.state):
+            assert mx.array_equal(x, y[:3, :, : x.shape[2]])
+    logits = model(mx.array([[21], [22], [23], [24]]), cache=at_once)
+    for row, seq in enumerate(sequences):
+        reference = _per_sequence_logits(model, seq + [21 + row])[-1]
+        assert mx.allclose(logits[row, 0], reference, atol=ATOL)
+    assert mx.allclose(logits[3, 0], _per_sequence_logits(model, [24])[-1], atol=ATOL)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(

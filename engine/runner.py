@@ -116,9 +116,13 @@ class ModelRunner:
         for admission in plan.admissions:
             self._admit(admission)
 
-        first_tokens = {}
-        prefill_tokens = 0
+        first_tokens: dict[str, mx.array] = {}
+        whole = [c for c in plan.prefills if c.start == 0 and c.last]
+        if len(whole) > 1:  # whole prompts: one batched forward (short prompts are common)
+            self._prefill_together(whole, first_tokens)
         for chunk in plan.prefills:
+            if len(whole) > 1 and chunk in whole:
+                continue
             state = self.states[chunk.request_id]
             ids = mx.array([state.prompt_ids[chunk.start : chunk.end]], dtype=mx.int32)
             logits, features = self.target(ids, state.prefill_cache)
@@ -128,7 +132,7 @@ class ModelRunner:
                 first_tokens[chunk.request_id] = sample(
                     logits[0, -1:], state.params, state.next_key()
                 )[0]
-            prefill_tokens += chunk.end - chunk.start
+        prefill_tokens = sum(c.end - c.start for c in plan.prefills)
 
         self._draft_seconds = 0.0
         decode, ahead_seconds = None, 0.0
@@ -172,6 +176,29 @@ class ModelRunner:
         result.memory_active = mx.get_active_memory()
         result.memory_peak = mx.get_peak_memory()
         return result
+
+    def _prefill_together(self, chunks: list, first_tokens: dict[str, mx.array]) -> None:
+        """Prefill several whole prompts in one forward: right-padded to the longest (the
+        causal mask keeps real positions from seeing the padding), padding rolled back, then
+        each row becomes its request's own one-row cache, as if prefilled alone."""
+        states = [self.states[c.request_id] for c in chunks]
+        lengths = [len(s.prompt_ids) for s in states]
+        longest = max(lengths)
+        ids = mx.array([s.prompt_ids + [0] * (longest - len(s.prompt_ids)) for s in states],
+                       dtype=mx.int32)  # fmt: skip
+        cache = [RaggedKVCache(len(states)) for _ in self.target.layers]
+        logits, features = self.target(ids, cache)
+        for layer_cache in cache:
+            layer_cache.trim_rows([longest - n for n in lengths])
+        for row, (state, n) in enumerate(zip(states, lengths)):
+            for own, batched in zip(state.prefill_cache, cache):
+                own.keys, own.values = batched.keys[row : row + 1], batched.values[row : row + 1]
+                own.lengths, own._offset = [n], None
+            if features is not None:
+                state.prefill_features.append(features[row, :n])
+            first_tokens[state.request_id] = sample(
+                logits[row, n - 1 : n], state.params, state.next_key()
+            )[0]
 
     # ----------------------------------------------------------------- lookahead
     def _launch_lookahead(self) -> _Lookahead:

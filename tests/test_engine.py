@@ -254,6 +254,41 @@ async def test_lookahead_used_and_discarded_keeps_outputs_exact(qwen3_target_dir
     assert sampled[True] == sampled[False]
 
 
+async def test_whole_prompts_prefilled_together_match_prefilling_alone(
+    qwen3_target_dir, drafter_dir, vocab_size
+):
+    """Prompts of different lengths admitted in the same step are prefilled in one padded
+    forward; greedy output equals mlx-lm and seeded sampling equals each request served
+    alone."""
+    lengths = [1, 4, 9, 17, 30]
+    rng = random.Random(5)
+    requests = [
+        (f"w{n}", [rng.randrange(3, vocab_size) for _ in range(n)], 8, None, 0) for n in lengths
+    ]
+    # Drafting off: seeded speculative sampling is exact in distribution, not sample by sample.
+    config = EngineConfig(
+        target=str(qwen3_target_dir), drafter=str(drafter_dir), num_speculative_tokens=0
+    )
+    async with AsyncEngine(config) as engine:
+        runner = engine._runner
+        groups = []
+        original = runner._prefill_together
+        runner._prefill_together = lambda chunks, out: (
+            groups.append(len(chunks)) or original(chunks, out)
+        )
+        failures = check_invariants(engine)
+        greedy = await run_all(engine, requests)
+        together = await run_all(engine, requests, temperature=1.0, seed=11)
+        alone = [(await run_all(engine, [r], temperature=1.0, seed=11))[0] for r in requests]
+        await wait_idle(engine)
+    assert not failures, failures[:5]
+    assert max(groups) == len(lengths)
+    model, _ = load_target_model(qwen3_target_dir)
+    for (request_id, prompt, max_tokens, _, _), (tokens, _) in zip(requests, greedy):
+        assert tokens == plain_greedy(model, prompt, max_tokens), request_id
+    assert [t for t, _ in together] == [t for t, _ in alone]
+
+
 # chi-square critical values at alpha = 0.001 by degrees of freedom
 _CHI2_CRITICAL = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26]
 

@@ -22,8 +22,6 @@ import json
 import shutil
 from pathlib import Path
 
-import mlx.core as mx
-
 from engine.bundled.pretrain import PretrainConfig, TargetSize, pretrain_target, split_corpus
 
 DEFAULT_OUT = Path(__file__).with_name("ar_draft")
@@ -65,7 +63,7 @@ def train_ar_draft(
 ) -> Path:
     """Pretrain (resumably, in `work`, default `<out>/work`) and export the draft to `out`
     (bf16 storage); return `out`."""
-    from engine.bundled.pair import save_sharded
+    from engine.bundled.pair import export_target
 
     out = Path(out).expanduser()
     work = Path(work).expanduser() if work is not None else out / "work"
@@ -76,12 +74,7 @@ def train_ar_draft(
     state = json.loads((checkpoint / "state.json").read_text())
     if state["step"] < config.steps:
         raise RuntimeError(f"training stopped at step {state['step']}/{config.steps}")
-    out.mkdir(parents=True, exist_ok=True)
-    save_sharded(mx.load(str(checkpoint / "model.safetensors")), out, mx.bfloat16)
-    config_json = json.loads((checkpoint / "config.json").read_text())
-    config_json["torch_dtype"] = "bfloat16"
-    (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
-    _copy_tokenizer(work / "tokenizer", out)
+    export_target(work, out)  # the bundled target's export: bf16 shards, config, tokenizer
     (out / "ar_draft.json").write_text(
         json.dumps({"steps": state["step"], "history": state["history"][-5:]}, indent=1) + "\n"
     )

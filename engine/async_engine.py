@@ -260,9 +260,10 @@ class AsyncEngine:
                 continue
             finally:
                 self._step_in_flight = False
-            # A looked-ahead next step computes on the MLX thread while this one is handled
-            # (if it fails, the next step's sync fails the same way and is handled there).
-            self._executor.submit(self._runner.advance).add_done_callback(_log_failure)
+            if self._runner.lookahead_pending:
+                # The looked-ahead next step computes on the MLX thread while this one is
+                # handled (if it fails, the next step's sync fails the same way, handled there).
+                self._executor.submit(self._runner.advance).add_done_callback(_log_failure)
             self.step_count += 1
             self.last_result = result
             for request in scheduler.apply(result):

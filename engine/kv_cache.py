@@ -157,31 +157,8 @@ class RaggedKVCache:
         self._offset = None
 
     def extend(self, other: RaggedKVCache) -> None:
-        """Append the rows of ``other`` (requests joined the batch). Copies both caches."""
-        if other.keys is None:
-            self.lengths = self.lengths + other.lengths
-            if self.keys is not None and other.batch_size:
-                self._pad_rows(other.batch_size)
-            self._offset = None
-            return
-        if self.keys is None:
-            if self.batch_size:
-                self.keys = mx.zeros((self.batch_size, *other.keys.shape[1:]), other.keys.dtype)
-                self.values = mx.zeros(
-                    (self.batch_size, *other.values.shape[1:]), other.values.dtype
-                )
-            else:
-                self.keys, self.values = other.keys, other.values
-                self.lengths = list(other.lengths)
-                self._offset = None
-                return
-        cap = max(self.keys.shape[2], other.keys.shape[2])
-        mine_k, mine_v = _pad_capacity(self.keys, cap), _pad_capacity(self.values, cap)
-        theirs_k, theirs_v = _pad_capacity(other.keys, cap), _pad_capacity(other.values, cap)
-        self.keys = mx.concatenate([mine_k, theirs_k], axis=0)
-        self.values = mx.concatenate([mine_v, theirs_v], axis=0)
-        self.lengths = self.lengths + other.lengths
-        self._offset = None
+        """Append the rows of ``other`` (a request joined the batch). Copies both caches."""
+        self.extend_many([other])
 
     @property
     def nbytes(self) -> int:
@@ -206,12 +183,6 @@ class RaggedKVCache:
     def _shrunk_capacity(self) -> int:
         longest = max(self.lengths) if self.lengths else 0
         return max(self.step, ((longest + self.step - 1) // self.step) * self.step)
-
-    def _pad_rows(self, n: int) -> None:
-        pad_k = mx.zeros((n, *self.keys.shape[1:]), self.keys.dtype)
-        pad_v = mx.zeros((n, *self.values.shape[1:]), self.values.dtype)
-        self.keys = mx.concatenate([self.keys, pad_k], axis=0)
-        self.values = mx.concatenate([self.values, pad_v], axis=0)
 
 
 def _pad_capacity(x: mx.array, capacity: int) -> mx.array:

@@ -118,10 +118,11 @@ class ModelRunner:
 
         first_tokens: dict[str, mx.array] = {}
         whole = [c for c in plan.prefills if c.start == 0 and c.last]
-        if len(whole) > 1:  # whole prompts: one batched forward (short prompts are common)
+        together = {c.request_id for c in whole} if len(whole) > 1 else set()
+        if together:  # whole prompts: one batched forward (short prompts are common)
             self._prefill_together(whole, first_tokens)
         for chunk in plan.prefills:
-            if len(whole) > 1 and chunk in whole:
+            if chunk.request_id in together:
                 continue
             state = self.states[chunk.request_id]
             ids = mx.array([state.prompt_ids[chunk.start : chunk.end]], dtype=mx.int32)
@@ -164,7 +165,7 @@ class ModelRunner:
         # A used lookahead was built and computed before this call (overlapped with the
         # loop's work): its time counts here, so the cost model sees what the forward cost.
         result.step_seconds = finished - started + ahead_seconds
-        forward = computed - started + ahead_seconds
+        result.forward_seconds = forward = computed - started + ahead_seconds
         if self.profile_phases:
             result.phase_seconds = {
                 "draft": self._draft_seconds,
@@ -363,6 +364,11 @@ class ModelRunner:
                 total += sum(c.nbytes for c in state.prefill_cache)
         drafter_cache = getattr(self.drafter, "cache", None) or []
         return total + sum(c.nbytes for c in drafter_cache)
+
+    @property
+    def lookahead_pending(self) -> bool:
+        """A looked-ahead step waits for `advance` (read between steps)."""
+        return self._lookahead is not None and not self._lookahead.eval_seconds
 
     def cache_lengths(self) -> dict[str, int]:
         """Committed target cache length of every decoding row (for invariant checks); a

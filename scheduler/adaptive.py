@@ -234,13 +234,7 @@ class AdaptiveDepthPolicy:
                 self.acceptance.observe(request_id, outcome.drafted, outcome.accepted)
         if result.batch_size:
             width = result.verify_tokens // result.batch_size
-            phases = result.phase_seconds
-            if "forward" in phases:
-                seconds = phases["forward"]
-            elif "verify" in phases:  # phase profiling splits the forward
-                seconds = phases.get("draft", 0.0) + phases["verify"]
-            else:
-                seconds = result.step_seconds
+            seconds = result.forward_seconds or result.step_seconds
             self.cost.observe(result.batch_size, width, result.prefill_tokens,
                               result.drafted_rows > 0, seconds)  # fmt: skip
             self.last_choice["measured"] = seconds

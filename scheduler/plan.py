@@ -63,6 +63,7 @@ class StepResult:
     drafted_rows: int = 0  # rows that drafted (0: the plain decode path ran)
     prefill_tokens: int = 0
     step_seconds: float = 0.0
+    forward_seconds: float = 0.0  # drafter + target + sampling up to the sync (the cost model's)
     # "forward" (drafter + target + sampling, up to the one sync) and "commit" (rollback and
     # bookkeeping); with phase profiling on, "forward" splits into "draft" and "verify".
     phase_seconds: dict[str, float] = field(default_factory=dict)

@@ -112,12 +112,9 @@ def generate_drafter_data(
 ) -> Path:
     """The target's own greedy continuations of training-file prompts (JSONL, resumable)."""
     out_path = work / "drafter_data.jsonl"
-    done = set()
-    if out_path.exists():
-        lines = out_path.read_text().splitlines(keepends=True)
-        complete = [line for line in lines if line.endswith("\n")]
-        out_path.write_text("".join(complete))
-        done = {json.loads(line)["prompt"] for line in complete}
+    complete = _complete_lines(out_path)
+    out_path.write_text("".join(complete))  # drop a record an interruption cut short
+    done = {json.loads(line)["prompt"] for line in complete}
     todo = [p for p in data_prompts(work, count) if p not in done]
     if todo:
         with out_path.open("a") as out:
@@ -127,10 +124,14 @@ def generate_drafter_data(
 
 def count_records(work: Path) -> int:
     """Complete records in the drafter data file (what a training run reads)."""
-    path = work / "drafter_data.jsonl"
+    return len(_complete_lines(work / "drafter_data.jsonl"))
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """The newline-terminated lines of a JSONL file that may end in a cut-off record."""
     if not path.exists():
-        return 0
-    return sum(1 for line in path.read_text().splitlines(keepends=True) if line.endswith("\n"))
+        return []
+    return [line for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
 
 
 # ----------------------------------------------------------------------------- drafter

@@ -244,6 +244,35 @@ def test_resume_continues_at_saved_step(
     )
 
 
+def test_feature_cache_changes_nothing_but_time(
+    trained, qwen3_target_dir: Path, data_file: Path, tmp_path
+):
+    cached, _, _, _ = trained  # the default config keeps every sequence's features
+    sequences = train.load_sequences(data_file)
+    config = _train_config(tmp_path, feature_cache_mb=0)  # same schedule: all 40 steps
+    uncached = train.train(
+        _target(qwen3_target_dir), sequences, config, _drafter_config(qwen3_target_dir)
+    )
+    np.testing.assert_allclose(
+        [loss for _, loss, _ in uncached.history],
+        [loss for _, loss, _ in cached.history],
+        rtol=1e-5,
+    )
+
+
+def test_feature_cache_keeps_within_budget(qwen3_target_dir: Path, data_file: Path):
+    sequences = train.load_sequences(data_file)
+    target = _target(qwen3_target_dir)
+    one = train.target_features(target, sequences[0].tokens).nbytes
+    cache = train.FeatureCache(target, budget_bytes=one)
+    first = cache.get(0, sequences[0].tokens)
+    assert cache.get(0, sequences[0].tokens) is first  # kept: the second call is free
+    second = cache.get(1, sequences[1].tokens)
+    assert cache.get(1, sequences[1].tokens) is not second  # over budget: recomputed
+    np.testing.assert_array_equal(np.array(cache.get(1, sequences[1].tokens)), np.array(second))
+    assert cache.used == one
+
+
 def test_evaluate_tau(trained, qwen3_target_dir: Path):
     _, out, _, _ = trained
     result = train.evaluate_tau(qwen3_target_dir, out, PROMPTS[:2], max_tokens=24)

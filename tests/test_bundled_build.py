@@ -64,3 +64,18 @@ def test_tokenizer_and_pretraining_resume_and_lower_the_loss(tmp_path):
         shutil.copy(file, work / "pretrain" / file.name)
     model, tokenizer = load_target_model(work / "pretrain")
     assert tokenizer.encode("def f(x):")
+
+
+def test_workload_data_prompts_come_from_training_files_and_extend(tmp_path):
+    from engine.bundled.pair import workload_data_prompts
+    from engine.bundled.pretrain import read_files
+
+    work = tmp_path / "work"
+    split = split_corpus(work, _small_stdlib(tmp_path))
+    few, more = workload_data_prompts(work, 6), workload_data_prompts(work, 12)
+    assert len(more) == 12 and more[:6] == few  # a larger count extends the same list
+    train_texts = [" ".join(text.split()) for text in read_files(split, "train")]
+    for prompt in more:  # each prompt's opening words occur in a training file
+        head = " ".join(prompt.removeprefix('"""').split()[:6])
+        assert any(head in text for text in train_texts), head
+    assert workload_data_prompts(work, 0) == []

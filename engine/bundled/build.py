@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         default="corpus,tokenizer,pretrain,export-target,workloads,data,drafter,export-drafter,eval,card",
     )
     parser.add_argument("--data-prompts", type=int, default=2000)
+    parser.add_argument("--workload-data-prompts", type=int, default=0)
     parser.add_argument("--drafter-steps", type=int, default=400)
     parser.add_argument("--eval-prompts", type=int, default=12)
     parser.add_argument("--vocab-size", type=int, default=4096)
@@ -74,7 +75,9 @@ def main(argv: list[str] | None = None) -> None:
         save_workloads(build_workloads(sources), WORKLOADS_FILE)
         print(f"workloads written to {WORKLOADS_FILE}")
     if "data" in stages:
-        pair.generate_drafter_data(args.work_dir, target_dir, args.data_prompts)
+        pair.generate_drafter_data(
+            args.work_dir, target_dir, args.data_prompts, args.workload_data_prompts
+        )
     if "drafter" in stages:
         started = time.perf_counter()
         result = pair.train_bundled_drafter(args.work_dir, target_dir, args.drafter_steps)
@@ -93,7 +96,14 @@ def main(argv: list[str] | None = None) -> None:
         runs_file = args.work_dir / "drafter_runs.json"
         runs = json.loads(runs_file.read_text()) if runs_file.exists() else []
         if not runs or runs[-1]["steps"] != result.step:
-            runs.append({"steps": result.step, "data_prompts": pair.count_records(args.work_dir)})
+            runs.append(
+                {
+                    "steps": result.step,
+                    "data_prompts": args.data_prompts,
+                    "workload_data_prompts": args.workload_data_prompts,
+                    "records": pair.count_records(args.work_dir),
+                }
+            )
         runs_file.write_text(json.dumps(runs))
     if "export-drafter" in stages:
         print(f"drafter exported to {pair.export_drafter(args.work_dir)}")

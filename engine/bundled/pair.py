@@ -12,12 +12,14 @@ import json
 import random
 import shutil
 import time
+from itertools import zip_longest
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from engine.bundled.pretrain import read_files, split_corpus
+from engine.bundled.workloads import build_workloads
 
 PACKAGE_DIR = Path(__file__).parent
 BUNDLED_TARGET = PACKAGE_DIR / "target"
@@ -76,6 +78,23 @@ def data_prompts(work: Path, count: int, seed: int = 0, chars: int = 400) -> lis
     return prompts
 
 
+def workload_data_prompts(work: Path, count: int, seed: int = 1) -> list[str]:
+    """Prompts in the three workload formats, made from the *training* files.
+
+    Random cuts (`data_prompts`) are 100-400 characters; the workloads' completion prompts run
+    to ~300 tokens and their editing prompts repeat a function. A drafter trained on cuts alone
+    never sees those context lengths (RoPE positions) or a target re-typing its context.
+    Same makers as the held-out workloads, never the held-out files. The kinds alternate and
+    each is a fixed shuffle, so a larger `count` extends the same list.
+    """
+    if count <= 0:
+        return []
+    sources = read_files(split_corpus(work), "train")
+    kinds = list(build_workloads(sources, per_workload=count, seed=seed).values())
+    mixed = [p for group in zip_longest(*kinds) for p in group if p is not None]
+    return mixed[:count]
+
+
 async def _generate_records(target_dir: Path, prompts: list[str], max_tokens: int, out, log):
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
@@ -108,14 +127,21 @@ async def _generate_records(target_dir: Path, prompts: list[str], max_tokens: in
 
 
 def generate_drafter_data(
-    work: Path, target_dir: Path, count: int, max_tokens: int = 160, log=print
+    work: Path,
+    target_dir: Path,
+    count: int,
+    workload_count: int = 0,
+    max_tokens: int = 160,
+    log=print,
 ) -> Path:
-    """The target's own greedy continuations of training-file prompts (JSONL, resumable)."""
+    """The target's own greedy continuations of training-file prompts (JSONL, resumable):
+    `count` random cuts, then `workload_count` workload-format prompts."""
     out_path = work / "drafter_data.jsonl"
     complete = _complete_lines(out_path)
     out_path.write_text("".join(complete))  # drop a record an interruption cut short
     done = {json.loads(line)["prompt"] for line in complete}
-    todo = [p for p in data_prompts(work, count) if p not in done]
+    prompts = data_prompts(work, count) + workload_data_prompts(work, workload_count)
+    todo = [p for p in dict.fromkeys(prompts) if p not in done]
     if todo:
         with out_path.open("a") as out:
             asyncio.run(_generate_records(target_dir, todo, max_tokens, out, log))
@@ -246,8 +272,23 @@ def write_model_card(work: Path, facts: dict, path: Path = PACKAGE_DIR / "MODEL_
     hours = (facts["pretrain_minutes"] + facts["drafter_minutes"]) / 60
     drafter_commands = "\n".join(
         f"python -m engine.bundled.build --stages data,drafter --data-prompts "
-        f"{run['data_prompts']} --drafter-steps {run['steps']}"
+        f"{run['data_prompts']}"
+        + (
+            f" --workload-data-prompts {run['workload_data_prompts']}"
+            if run.get("workload_data_prompts")
+            else ""
+        )
+        + f" --drafter-steps {run['steps']}"
         for run in facts["drafter_runs"]
+    )
+    last_run = facts["drafter_runs"][-1]
+    workload_prompts = last_run.get("workload_data_prompts", 0)
+    data_sources = (
+        f"{facts['data_prompts'] - workload_prompts} random cuts of the training files and "
+        f"{workload_prompts} prompts in the workloads' formats made from the training files "
+        "(the random cuts are short; the workload formats carry the context lengths served)"
+        if workload_prompts
+        else f"{facts['data_prompts']} prompts cut from the training files"
     )
     text = f"""# flashbatch bundled model pair
 
@@ -287,7 +328,7 @@ parameters; stored in bfloat16, computed in float32 on CPU.
 {facts["drafter"]["block_size"]}, tapped target layers {facts["drafter"]["target_layer_ids"]}, \
 mask token id {facts["drafter"]["mask_token_id"]}; {facts["drafter_params"] / 1e6:.1f}M parameters.
 - Data: the target's own greedy continuations ({facts["data_tokens"] / 1e3:.0f}k tokens) of \
-{facts["data_prompts"]} prompts cut from the training files.
+{data_sources}.
 - Training (`drafters/dflash/train.py`): {facts["drafter_steps"]} steps of 4 sequences, 48 random \
 anchors per sequence, loss decay gamma 7, AdamW lr 1e-3 with warmup and cosine; final loss \
 {facts["drafter_loss"]:.3f}, weighted accuracy {facts["drafter_acc"]:.3f}; about \

@@ -97,3 +97,35 @@ def test_flashbatch_serve_with_no_arguments_answers(tmp_path):
     finally:
         process.kill()
         process.wait()
+
+
+def test_truncated_block_drafts_what_the_full_block_drafts(pair, monkeypatch):
+    """A depth-d proposal runs d+1 block rows; on the bundled pair it drafts the same tokens
+    as the trained 16-row block (the dropped rows are MASKs that only carry a position)."""
+    drafter = pair.drafter
+    rows_seen = []
+    model_call = type(drafter.model).__call__
+
+    def spy(self, block_embeddings, *args, **kwargs):
+        rows_seen.append(block_embeddings.shape[1])
+        return model_call(self, block_embeddings, *args, **kwargs)
+
+    monkeypatch.setattr(type(drafter.model), "__call__", spy)
+    agree = total = 0
+    for text in load_workloads()["completion"][:4]:
+        ids = list(pair.tokenizer.encode(text))
+        _, features = pair.target(mx.array(ids)[None], pair.target.make_cache())
+        drafts = {}
+        for truncate in (True, False):
+            drafter.truncate_block = truncate
+            session = drafter.open(ids)
+            drafter.commit(session, features[0, :-1])
+            try:
+                drafts[truncate] = drafter.propose([session], [ids[-1]], [3]).tokens[0].tolist()
+            finally:
+                drafter.truncate_block = True
+                drafter.close(session)
+        agree += sum(a == b for a, b in zip(drafts[True], drafts[False]))
+        total += 3
+    assert rows_seen == [4, 16] * 4
+    assert agree >= total - 1  # at most one argmax tie flips

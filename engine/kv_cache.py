@@ -156,6 +156,33 @@ class RaggedKVCache:
         self.lengths = lengths
         self._offset = None
 
+    def take_rows(self, rows: list[int]) -> RaggedKVCache:
+        """A new cache of ``rows`` (in that order); one row is a slice, more are gathered."""
+        taken = RaggedKVCache(len(rows))
+        taken.lengths = [self.lengths[r] for r in rows]
+        if self.keys is not None:
+            if len(rows) == 1:
+                r = rows[0]
+                taken.keys, taken.values = self.keys[r : r + 1], self.values[r : r + 1]
+            else:
+                index = mx.array(rows, dtype=mx.int32)
+                taken.keys, taken.values = self.keys[index], self.values[index]
+        return taken
+
+    def put_rows(self, rows: list[int], taken: RaggedKVCache) -> None:
+        """Write ``taken`` (from `take_rows`, since grown) back into ``rows``."""
+        if taken.keys is not None:
+            self._ensure_capacity(taken.keys.shape[2], taken.keys, taken.values)
+            taken._ensure_capacity(self.keys.shape[2], taken.keys, taken.values)
+            index = mx.array(rows, dtype=mx.int32)
+            self.keys[index] = taken.keys
+            self.values[index] = taken.values
+        lengths = list(self.lengths)
+        for r, length in zip(rows, taken.lengths):
+            lengths[r] = length
+        self.lengths = lengths
+        self._offset = None
+
     def extend(self, other: RaggedKVCache) -> None:
         """Append the rows of ``other`` (a request joined the batch). Copies both caches."""
         self.extend_many([other])

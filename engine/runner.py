@@ -78,7 +78,8 @@ class _Lookahead:
         """Keep only `rows` (requests left the batch): their outputs, in that order."""
         if rows == self.rows:
             return
-        index = mx.array([self.rows.index(r) for r in rows], dtype=mx.int32)
+        position = {r: i for i, r in enumerate(self.rows)}
+        index = mx.array([position[r] for r in rows], dtype=mx.int32)
         d = self.decode
         d.targets, d.accepted = d.targets[index], d.accepted[index]
         d.features = None if d.features is None else d.features[index]
@@ -192,9 +193,7 @@ class ModelRunner:
         for layer_cache in cache:
             layer_cache.trim_rows([longest - n for n in lengths])
         for row, (state, n) in enumerate(zip(states, lengths)):
-            for own, batched in zip(state.prefill_cache, cache):
-                own.keys, own.values = batched.keys[row : row + 1], batched.values[row : row + 1]
-                own.lengths, own._offset = [n], None
+            state.prefill_cache = [batched.take_rows([row]) for batched in cache]
             if features is not None:
                 state.prefill_features.append(features[row, :n])
             first_tokens[state.request_id] = sample(

@@ -151,3 +151,24 @@ def test_mask_marks_each_rows_own_history():
     ]
     with pytest.raises(ValueError):
         cache.trim_rows([4, 0])
+
+
+def test_take_rows_then_put_rows_round_trips_through_growth():
+    """`take_rows` copies rows out (one row as a slice, several gathered); writes to the copy
+    that outgrow the original's capacity land back in place with `put_rows`."""
+    cache = RaggedKVCache(3)
+    first = mx.arange(3 * 4, dtype=mx.float32).reshape(3, 1, 4, 1)
+    cache.write(first, first, counts=[4, 2, 3])
+    one = cache.take_rows([1])
+    assert one.lengths == [2] and one.fetch()[0][0, 0, :, 0].tolist() == [4, 5]
+    taken = cache.take_rows([2, 0])
+    assert taken.lengths == [3, 4]
+    grow = mx.full((2, 1, 300, 1), 7.0)  # past the 256-position capacity step
+    taken.write(grow, grow, counts=[300, 1])
+    cache.put_rows([2, 0], taken)
+    assert cache.lengths == [5, 2, 303]
+    keys, _ = cache.fetch()
+    assert keys[0, 0, :5, 0].tolist() == [0, 1, 2, 3, 7]
+    assert keys[1, 0, :2, 0].tolist() == [4, 5]  # untouched row
+    assert keys[2, 0, :303, 0].tolist() == [8, 9, 10] + [7] * 300
+    assert cache.offset.tolist() == [5, 2, 303]

@@ -146,33 +146,15 @@ class DFlashDrafter:
 
     # ----------------------------------------------------------------- row subsets
     def _rows_view(self, rows: list[int]) -> list[RaggedKVCache]:
-        """The cache itself when all rows take part, else a gathered copy of those rows."""
+        """The cache itself when all rows take part, else a copy of those rows."""
         if rows == list(range(len(self._sessions))):
             return self.cache
-        index = mx.array(rows, dtype=mx.int32)
-        view = []
-        for layer_cache in self.cache:
-            sub = RaggedKVCache(len(rows))
-            sub.lengths = [layer_cache.lengths[r] for r in rows]
-            if layer_cache.keys is not None:
-                sub.keys, sub.values = layer_cache.keys[index], layer_cache.values[index]
-            view.append(sub)
-        return view
+        return [layer_cache.take_rows(rows) for layer_cache in self.cache]
 
     def _write_back(self, rows: list[int], view: list[RaggedKVCache]) -> None:
-        if view is self.cache:
-            return
-        index = mx.array(rows, dtype=mx.int32)
-        for layer_cache, sub in zip(self.cache, view):
-            layer_cache._ensure_capacity(sub.keys.shape[2], sub.keys, sub.values)
-            sub._ensure_capacity(layer_cache.keys.shape[2], sub.keys, sub.values)
-            layer_cache.keys[index] = sub.keys
-            layer_cache.values[index] = sub.values
-            lengths = list(layer_cache.lengths)
-            for r, length in zip(rows, sub.lengths):
-                lengths[r] = length
-            layer_cache.lengths = lengths
-            layer_cache._offset = None
+        if view is not self.cache:
+            for layer_cache, taken in zip(self.cache, view):
+                layer_cache.put_rows(rows, taken)
 
 
 def _take_pending(sessions: list[DFlashSession]) -> tuple[mx.array | None, list[int]]:

@@ -129,3 +129,16 @@ def test_truncated_block_drafts_what_the_full_block_drafts(pair, monkeypatch):
         total += 3
     assert rows_seen == [4, 16] * 4
     assert agree >= total - 1  # at most one argmax tie flips
+
+
+def test_evaluate_pair_reports_block_and_short_depth_rates():
+    from engine.bundled.pair import evaluate_pair
+
+    workloads = {"prose": load_workloads()["prose"][:1]}
+    result = evaluate_pair(TARGET, DRAFTER, workloads, prompts=1, max_tokens=12, log=lambda _: 0)
+    prose = result["prose"]
+    assert 1.0 <= prose["tau"] <= 12 and 1.0 <= prose["short_tau"] <= 4.0  # depth 3 + bonus
+    assert prose["short_depth"] == 3
+    for rate in ("spec_tok_s", "short_tok_s", "mlx_lm_tok_s"):
+        assert prose[rate] > 0
+    assert prose["speedup"] == pytest.approx(prose["spec_tok_s"] / prose["mlx_lm_tok_s"])

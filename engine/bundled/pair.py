@@ -218,48 +218,61 @@ def evaluate_pair(
 
     pair = load_pair(target_dir, drafter_dir)
     tokenizer = pair.tokenizer
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    block = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     short = SamplingParams(
         max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=short_depth
     )
     results = {}
     for name, texts in workloads.items():
-        committed = steps = spec_tokens = plain_tokens = 0
-        spec_time = plain_time = 0.0
-        short_committed = short_steps = short_tokens = 0
-        short_time = 0.0
+        spec, shallow = _SpecTally(), _SpecTally()
+        plain_tokens, plain_time = 0, 0.0
         for text in texts[:prompts]:
             ids = list(tokenizer.encode(text))
-            started = time.perf_counter()
-            out = generate(pair.target, ids, params, drafter=pair.drafter)
-            spec_time += time.perf_counter() - started
-            spec_tokens += len(out.token_ids)
-            committed += sum(s.committed for s in out.steps)
-            steps += len(out.steps)
-            started = time.perf_counter()
-            out = generate(pair.target, ids, short, drafter=pair.drafter)
-            short_time += time.perf_counter() - started
-            short_tokens += len(out.token_ids)
-            short_committed += sum(s.committed for s in out.steps)
-            short_steps += len(out.steps)
+            spec.run(generate, pair.target, ids, block, drafter=pair.drafter)
+            shallow.run(generate, pair.target, ids, short, drafter=pair.drafter)
             started = time.perf_counter()
             n = 0
             for _ in stream_generate(pair.target.model, tokenizer, ids, max_tokens=max_tokens):
                 n += 1
             plain_time += time.perf_counter() - started
             plain_tokens += n
+        plain_rate = plain_tokens / plain_time
         results[name] = {
-            "tau": committed / steps,
-            "spec_tok_s": spec_tokens / spec_time,
-            "mlx_lm_tok_s": plain_tokens / plain_time,
-            "speedup": (spec_tokens / spec_time) / (plain_tokens / plain_time),
+            "tau": spec.tau,
+            "spec_tok_s": spec.rate,
+            "mlx_lm_tok_s": plain_rate,
+            "speedup": spec.rate / plain_rate,
             "short_depth": short_depth,
-            "short_tau": short_committed / short_steps,
-            "short_tok_s": short_tokens / short_time,
-            "short_speedup": (short_tokens / short_time) / (plain_tokens / plain_time),
+            "short_tau": shallow.tau,
+            "short_tok_s": shallow.rate,
+            "short_speedup": shallow.rate / plain_rate,
         }
         log(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[name].items()))
     return results
+
+
+class _SpecTally:
+    """Tokens, verify steps, committed tokens and seconds of speculative runs."""
+
+    def __init__(self) -> None:
+        self.tokens = self.steps = self.committed = 0
+        self.seconds = 0.0
+
+    def run(self, generate, *args, **kwargs) -> None:
+        started = time.perf_counter()
+        out = generate(*args, **kwargs)
+        self.seconds += time.perf_counter() - started
+        self.tokens += len(out.token_ids)
+        self.steps += len(out.steps)
+        self.committed += sum(s.committed for s in out.steps)
+
+    @property
+    def tau(self) -> float:
+        return self.committed / self.steps
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
 
 
 # ----------------------------------------------------------------------------- model card

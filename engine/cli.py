@@ -83,6 +83,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
         max_len=args.max_len,
         seed=args.seed,
         checkpoint_every=args.checkpoint_every,
+        feature_cache_mb=args.feature_cache_mb,
         out_dir=args.out,
         resume=args.resume,
     )
@@ -227,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     td_fit.add_argument("--max-len", type=int, default=2048)
     td_fit.add_argument("--seed", type=int, default=0)
     td_fit.add_argument("--checkpoint-every", type=int, default=100)
+    td_fit.add_argument(
+        "--feature-cache-mb", type=int, default=4096,
+        help="keep the frozen target's features between epochs up to this many MiB (0: off)",
+    )  # fmt: skip
     td_fit.add_argument(
         "--resume", action="store_true", help="continue from --out's checkpoint (sizes from it)"
     )

@@ -293,7 +293,8 @@ def test_cli_data_fit_eval(qwen3_target_dir: Path, tmp_path):
            "--layers", "1", "--block-size", "4", "--target-layer-ids", "1,4",
            "--steps", "4", "--checkpoint-every", "2"]  # fmt: skip
     assert main(fit) == 0
-    assert main([*fit, "--steps", "6", "--resume"]) == 0
-    assert json.loads((out / train.STATE_FILE).read_text())["step"] == 6
+    assert main([*fit, "--steps", "6", "--resume", "--feature-cache-mb", "0"]) == 0
+    state = json.loads((out / train.STATE_FILE).read_text())
+    assert state["step"] == 6 and state["config"]["feature_cache_mb"] == 0
     assert main(["train-drafter", "eval", *common, "--drafter", str(out),
                  "--prompts", str(prompts), "--max-tokens", "8"]) == 0  # fmt: skip

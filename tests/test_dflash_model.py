@@ -116,3 +116,39 @@ def test_flush_cap_writes_pending_rows_while_parked(qwen3_target_dir, drafter_di
     drafter.commit(session, feats[0, 24:27])
     assert (session.context_rows, session.pending_rows) == (24, 3)
     drafter.close(session)
+
+
+def test_a_steps_opens_and_closes_copy_the_cache_once_each(
+    qwen3_target_dir, drafter_dir, monkeypatch
+):
+    """Sessions that come and go between two uses of the cache cost one filter and one
+    append in all, and every survivor keeps its own context rows."""
+    from engine.kv_cache import RaggedKVCache
+
+    pair = load_pair(qwen3_target_dir, drafter_dir)
+    drafter, target = pair.drafter, pair.target
+    _, feats = target(mx.array([list(range(5, 25))]))
+    first = [drafter.open() for _ in range(4)]
+    for n, s in zip((3, 5, 7, 9), first):
+        drafter.commit(s, feats[0, :n])
+    drafter.propose(first, [1, 1, 1, 1], [2, 2, 2, 2])  # rows exist now
+    calls = []
+    for name in ("filter", "extend_many"):
+        real = getattr(RaggedKVCache, name)
+
+        def counted(self, *args, _real=real, _name=name):
+            calls.append(_name)
+            return _real(self, *args)
+
+        monkeypatch.setattr(RaggedKVCache, name, counted)
+    drafter.close(first[1])
+    drafter.close(first[2])
+    later = [drafter.open() for _ in range(3)]
+    for s in later:
+        drafter.commit(s, feats[0, :4])
+    assert calls == []  # nothing copied yet: membership is only marked
+    assert [s.context_rows for s in [first[0], first[3], *later]] == [3, 9, 0, 0, 0]
+    layers = len(drafter.cache)
+    assert sorted(calls) == ["extend_many"] * layers + ["filter"] * layers
+    assert drafter.cache[0].batch_size == 5
+    assert [s.pending_rows for s in later] == [4, 4, 4]

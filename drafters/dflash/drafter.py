@@ -6,7 +6,10 @@ Session rules (after Ollama's DFlash draft session):
   drafts never reach the cache and there is nothing to roll back on the drafter side;
 - while a session is not drafting (depth 0), pending rows are flushed by a context-only
   forward once `flush_cap` of them pile up, keeping the drafter level with the target;
-- invariant: ``context_rows + pending_rows == target cache length`` after every step.
+- invariant: ``context_rows + pending_rows == target cache length`` after every step;
+- opening and closing sessions only mark membership: the cache's rows follow at its next use,
+  in one filter and one append however many sessions came and went (a step's joins and
+  leaves would otherwise copy the whole drafter cache once each).
 
 Block truncation: a proposal runs ``max(depths) + 1`` block rows, not the trained block size.
 The rows past the deepest draft are MASK tokens that only carry a position; dropping them
@@ -68,13 +71,21 @@ class DFlashDrafter:
         self.mask_token_id = config.mask_token_id
         self.flush_cap = flush_cap
         self.truncate_block = truncate_block
-        self.cache: list[RaggedKVCache] = model.make_cache(0)
-        self._sessions: list[DFlashSession] = []  # in cache-row order
+        self._cache: list[RaggedKVCache] = model.make_cache(0)
+        self._sessions: list[DFlashSession] = []  # open sessions; cache-row order once synced
+        self._cache_rows: list[DFlashSession] = []  # whose row each cache row is
         model.fuse_context_projections()
 
     @property
     def max_depth(self) -> int:
         return self.block_size - 1
+
+    @property
+    def cache(self) -> list[RaggedKVCache]:
+        """The per-layer context cache, one row per open session (in opening order)."""
+        if self._cache_rows != self._sessions:
+            self._sync_rows()
+        return self._cache
 
     def row_of(self, session: DFlashSession) -> int:
         return self._sessions.index(session)
@@ -82,18 +93,27 @@ class DFlashDrafter:
     # ----------------------------------------------------------------- lifecycle
     def open(self, prompt_ids: Sequence[int] = ()) -> DFlashSession:
         session = DFlashSession(self)
-        for layer_cache in self.cache:
-            layer_cache.extend(RaggedKVCache(1))
         self._sessions.append(session)
         return session
 
     def close(self, session: DFlashSession) -> None:
-        keep = [i for i, s in enumerate(self._sessions) if s is not session]
-        for layer_cache in self.cache:
-            layer_cache.filter(keep)
         self._sessions.remove(session)
         session.pending.clear()
         session.pending_rows = 0
+
+    def _sync_rows(self) -> None:
+        """Drop closed sessions' rows (one filter), append opened ones (one extend). Sessions
+        only ever join at the end, so survivors keep their order and newcomers follow."""
+        still_open = set(self._sessions)
+        keep = [i for i, s in enumerate(self._cache_rows) if s in still_open]
+        if len(keep) < len(self._cache_rows):
+            for layer_cache in self._cache:
+                layer_cache.filter(keep)
+        joined = len(self._sessions) - len(keep)
+        if joined:
+            for layer_cache in self._cache:
+                layer_cache.extend(RaggedKVCache(joined))
+        self._cache_rows = list(self._sessions)
 
     def commit(
         self, session: DFlashSession, features: mx.array, tokens: Sequence[int] = ()

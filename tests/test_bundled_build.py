@@ -115,6 +115,7 @@ def test_model_card_lists_every_sitting_and_the_short_depth_table(tmp_path):
     assert "20 random cuts of the training files and 10 prompts in the workloads' formats" in card
     assert "| completion | 2.00 | 80.0 | 100.0 | 0.80x | 2.5 |" in card
     assert "At depth 3 (the drafter runs 4 block rows" in card
+    assert "block 16 pays only where tau clears that (no workload here)" in card
     assert "| prose | 1.50 | 95.0 | 0.95x |" in card
 
     write_model_card(tmp_path, _card_facts(drafter_runs=[{"steps": 20, "data_prompts": 30}]),

@@ -307,6 +307,7 @@ def write_model_card(work: Path, facts: dict, path: Path = PACKAGE_DIR / "MODEL_
         for name, r in ev.items()
         if "short_tau" in r
     )
+    paying = ", ".join(n for n, r in ev.items() if round(r["speedup"], 2) > 1) or "no workload here"
     short_depth = next(iter(ev.values())).get("short_depth", 0)
     short_table = (
         f"""
@@ -404,15 +405,15 @@ against mlx-lm's plain `stream_generate` on the same target, interleaved per pro
 This is a small pair trained in about {hours:.1f} hours of 2-core CPU time. The target saw
 {facts["pretrain_tokens"] / 1e6:.1f}M tokens and the drafter {facts["data_tokens"] / 1e3:.0f}k
 target-generated tokens (published DFlash drafters train on hundreds of thousands of
-samples), so acceptance is modest. On this CPU a speculative step costs about
+samples), so acceptance is modest. On this CPU a 16-position speculative step costs about
 {step_cost:.1f} plain steps (a 16-position verify is far from free when matrix products are
-small and the backend is a CPU), so at these tau values a fixed depth-15 block costs more than
-it saves and the engine's adaptive controller drafts only where the measured acceptance and
-cost say it pays. On a GPU, where decoding is bound by memory bandwidth, the same verify costs
-close to one plain step. Longer target
-pretraining and more drafter data and steps (every stage resumes: rerun with more `--steps` /
-`--data-prompts` / `--drafter-steps`) raise tau; the drafter's accuracy was still rising when
-this build stopped.
+small and the backend is a CPU), so block 16 pays only where tau clears that ({paying}); a
+shallower depth costs less per step, and the engine's adaptive controller drafts at the depth
+the measured acceptance and cost favour, or not at all. On a GPU, where decoding is bound by
+memory bandwidth, the same verify costs close to one plain step. Longer target pretraining and
+more drafter data and steps (every stage resumes: rerun with more `--steps` /
+`--data-prompts` / `--workload-data-prompts` / `--drafter-steps`) raise tau; every drafter
+sitting so far did.
 
 ## Rebuild
 

@@ -361,6 +361,8 @@ class ModelRunner:
         for state in self.states.values():
             if state.prefill_cache:
                 total += sum(c.nbytes for c in state.prefill_cache)
+        # Reading the DFlash cache applies the step's session opens and closes (one copy per
+        # step, which the next proposal would make anyway), so the bytes are the real ones.
         drafter_cache = getattr(self.drafter, "cache", None) or []
         return total + sum(c.nbytes for c in drafter_cache)
 

@@ -356,7 +356,7 @@ def encode_prompt(tokenizer: Any, prompt: str, chat_template: bool = True) -> li
     return list(tokenizer.encode(prompt))
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl_records(path: Path) -> list[dict[str, Any]]:
     """Complete records of a JSONL file; a torn last line (interrupted write) is cut off."""
     if not path.exists():
         return []
@@ -386,7 +386,7 @@ def generate_data(
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = {record["prompt"] for record in _read_jsonl(out_path)}
+    done = {record["prompt"] for record in read_jsonl_records(out_path)}
     todo = [p for p in dict.fromkeys(prompts) if p not in done]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     with out_path.open("a") as out:
@@ -402,7 +402,7 @@ def generate_data(
 def load_sequences(path: str | Path, max_len: int | None = None) -> list[TrainSequence]:
     """Training sequences from a `generate_data` JSONL file, truncated to `max_len`."""
     sequences = []
-    for record in _read_jsonl(Path(path)):
+    for record in read_jsonl_records(Path(path)):
         tokens = np.asarray(record["tokens"][:max_len], dtype=np.int32)
         sequences.append(TrainSequence(tokens, int(record.get("prompt_tokens", 0))))
     return sequences

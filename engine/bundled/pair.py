@@ -137,9 +137,7 @@ def generate_drafter_data(
     """The target's own greedy continuations of training-file prompts (JSONL, resumable):
     `count` random cuts, then `workload_count` workload-format prompts."""
     out_path = work / "drafter_data.jsonl"
-    complete = _complete_lines(out_path)
-    out_path.write_text("".join(complete))  # drop a record an interruption cut short
-    done = {json.loads(line)["prompt"] for line in complete}
+    done = {record["prompt"] for record in _records(work)}  # a torn last record is dropped
     prompts = data_prompts(work, count) + workload_data_prompts(work, workload_count)
     todo = [p for p in dict.fromkeys(prompts) if p not in done]
     if todo:
@@ -150,14 +148,14 @@ def generate_drafter_data(
 
 def count_records(work: Path) -> int:
     """Complete records in the drafter data file (what a training run reads)."""
-    return len(_complete_lines(work / "drafter_data.jsonl"))
+    return len(_records(work))
 
 
-def _complete_lines(path: Path) -> list[str]:
-    """The newline-terminated lines of a JSONL file that may end in a cut-off record."""
-    if not path.exists():
-        return []
-    return [line for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
+def _records(work: Path) -> list[dict]:
+    """The drafter data file's complete records (a torn last line is cut off the file)."""
+    from drafters.dflash.train import read_jsonl_records
+
+    return read_jsonl_records(work / "drafter_data.jsonl")
 
 
 # ----------------------------------------------------------------------------- drafter
@@ -451,7 +449,7 @@ def collect_facts(work: Path, target_dir: Path = BUNDLED_TARGET,
     drafter = read_config(drafter_dir)
     summary = json.loads((work / "drafter_summary.json").read_text())
     evaluation = json.loads((work / "eval.json").read_text())
-    records = [json.loads(line) for line in (work / "drafter_data.jsonl").read_text().splitlines()]
+    records = _records(work)
 
     def count(directory: Path) -> int:
         return sum(int(np.prod(v.shape)) for f in directory.glob("model*.safetensors")

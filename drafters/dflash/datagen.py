@@ -1,0 +1,134 @@
+"""Drafter training data from the target itself, generated in batches through `AsyncEngine`.
+
+The single-request `train.generate_data` decodes one prompt at a time; a real target on a CPU
+makes that hours per 100k tokens. Here `concurrency` requests decode together (drafting off) and
+each finished one is appended to a JSONL file at once, so an interrupted run loses at most the
+requests in flight and the next run skips every prompt already done (by key).
+
+Records: ``{"key", "kind", "prompt", "chat", "prompt_tokens", "tokens"}`` with tokens = prompt +
+continuation, the layout `train.load_sequences` reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from drafters.dflash.prompt_mix import Prompt
+from drafters.dflash.train import read_jsonl_records
+
+log = logging.getLogger(__name__)
+
+
+def encode(tokenizer: Any, prompt: Prompt) -> list[int]:
+    if prompt.chat:
+        messages = [{"role": "user", "content": prompt.text}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return list(tokenizer.encode(prompt.text))
+
+
+def done_keys(path: Path) -> set[str]:
+    return {r["key"] for r in read_jsonl_records(path) if "key" in r}
+
+
+async def generate_mix(
+    target: str,
+    prompts: list[Prompt],
+    out_path: str | Path,
+    *,
+    max_tokens: dict[str, int] | int = 192,
+    concurrency: int = 32,
+    max_prompt_tokens: int = 1536,
+    temperature: float = 0.0,
+) -> int:
+    """Append the target's continuation of every prompt not yet in `out_path`; return how many."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.sampling import SamplingParams
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = done_keys(out_path)
+    todo = [p for p in dict.fromkeys(prompts) if p.key not in done]
+    log.info("%d prompts, %d done, %d to generate", len(prompts), len(done), len(todo))
+    config = EngineConfig(
+        target=target, max_num_seqs=concurrency, num_speculative_tokens=0,
+        max_waiting_requests=max(256, 2 * concurrency),
+    )  # fmt: skip
+    written = 0
+    tokens_out = 0
+    start = time.perf_counter()
+    async with AsyncEngine(config) as engine:
+        queue: asyncio.Queue[Prompt] = asyncio.Queue()
+        for p in todo:
+            queue.put_nowait(p)
+        with out_path.open("a") as out:
+
+            async def worker() -> None:
+                nonlocal written, tokens_out
+                while not queue.empty():
+                    prompt = queue.get_nowait()
+                    ids = encode(engine.tokenizer, prompt)[-max_prompt_tokens:]
+                    limit = max_tokens if isinstance(max_tokens, int) else max_tokens[prompt.kind]
+                    params = SamplingParams(max_tokens=limit, temperature=temperature)
+                    generated: list[int] = []
+                    async for delta in engine.generate(ids, params):
+                        generated += delta.token_ids
+                    record = {
+                        "key": prompt.key, "kind": prompt.kind, "prompt": prompt.text,
+                        "chat": prompt.chat, "prompt_tokens": len(ids), "tokens": ids + generated,
+                    }  # fmt: skip
+                    out.write(json.dumps(record) + "\n")
+                    out.flush()
+                    written += 1
+                    tokens_out += len(generated)
+                    if written % 50 == 0:
+                        rate = tokens_out / (time.perf_counter() - start)
+                        log.info("%d/%d written, %d tokens (%.1f tok/s)", written, len(todo),
+                                 tokens_out, rate)  # fmt: skip
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return written
+
+
+DEFAULT_MAX_TOKENS = {"completion": 128, "editing": 256, "chat": 192, "prose": 128}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m drafters.dflash.datagen --target T --out F [--split train] [--per-kind N]`."""
+    import argparse
+
+    import engine  # noqa: F401  (fast BLAS before mlx)
+    from drafters.dflash.prompt_mix import build_prompts
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True, help="target model (directory, .gguf or name)")
+    parser.add_argument("--out", required=True, help="JSONL to append to (resumes)")
+    parser.add_argument("--split", default="train", choices=("train", "held_out"))
+    parser.add_argument("--per-kind", type=int, default=2000, help="prompts of each kind")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    prompts = build_prompts(args.split, args.per_kind, args.seed)
+    written = asyncio.run(
+        generate_mix(
+            args.target,
+            prompts,
+            args.out,
+            max_tokens=DEFAULT_MAX_TOKENS,
+            concurrency=args.concurrency,
+        )  # fmt: skip
+    )
+    print(f"wrote {written} records to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

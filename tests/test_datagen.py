@@ -1,0 +1,92 @@
+"""Drafter data for chat targets: the prompt mix and batched generation through the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+from drafters.dflash import datagen
+from drafters.dflash.prompt_mix import (
+    KINDS,
+    Prompt,
+    build_prompts,
+    chat_prompts,
+    editing_prompts,
+    held_out,
+)
+from engine.bundled.pair import bundled_paths
+
+SOURCE = '''
+def scale(values, factor):
+    """Multiply every value by factor."""
+    out = []
+    for v in values:
+        if v == 0:
+            out.append(0)
+        out.append(v * factor)
+    return out
+'''
+
+
+def test_held_out_prompts_cover_every_kind_and_are_deterministic():
+    first = build_prompts("held_out", per_kind=6, seed=3)
+    again = build_prompts("held_out", per_kind=6, seed=3)
+    assert first == again
+    assert {p.kind for p in first} == set(KINDS)
+    # A larger count extends the same lists, so a data run can grow without redoing work.
+    longer = build_prompts("held_out", per_kind=9, seed=3)
+    for kind in KINDS:
+        short = [p for p in first if p.kind == kind]
+        assert [p for p in longer if p.kind == kind][: len(short)] == short
+
+
+def test_chat_prompts_split_by_text_hash():
+    prompts = chat_prompts()
+    held = [p for p in prompts if held_out(p.text)]
+    assert 0 < len(held) < len(prompts) // 5
+    train_texts = {p.text for p in build_prompts("train", per_kind=0)} | {
+        p.text for p in prompts if not held_out(p.text)
+    }
+    assert not train_texts & {p.text for p in held}
+
+
+def test_editing_prompts_carry_the_function_and_plant_real_bugs():
+    prompts = editing_prompts(SOURCE, random.Random(0), per_function=8)
+    assert all(p.chat and "def scale" in p.text for p in prompts)
+    bug = [p for p in prompts if "has a bug" in p.text]
+    assert bug and " != 0" in bug[0].text  # the flipped comparison is in the code shown
+
+
+def test_generate_mix_equals_greedy_decoding_and_resumes(tmp_path):
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    target_dir, _ = bundled_paths()
+    prompts = [
+        Prompt("completion", "def add(a, b):\n", chat=False),
+        Prompt("chat", "Write a loop.", chat=True),
+        Prompt("prose", "Continue this text:\n\nThe module", chat=True),
+    ]
+    out = tmp_path / "data.jsonl"
+    written = asyncio.run(datagen.generate_mix(str(target_dir), prompts, out, max_tokens=6,
+                                               concurrency=2))  # fmt: skip
+    assert written == 3
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["key"] for r in records} == {p.key for p in prompts}
+
+    model, tokenizer = load(str(target_dir))
+    model.set_dtype(mx.float32)
+    for record in records:
+        prompt_ids = record["tokens"][: record["prompt_tokens"]]
+        expected = [
+            int(tok) for (tok, _), _ in zip(generate_step(mx.array(prompt_ids), model), range(6))
+        ]
+        continuation = record["tokens"][record["prompt_tokens"] :]
+        assert continuation == expected[: len(continuation)]
+
+    # A second run finds every prompt done and writes nothing.
+    again = asyncio.run(datagen.generate_mix(str(target_dir), prompts, out, max_tokens=6))
+    assert again == 0
+    assert len(out.read_text().splitlines()) == 3

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("completion", "editing", "prose", "mixed")
+WORKLOADS = ("completion", "editing", "prose", "chat", "mixed")
 ENGINE_KINDS = ("mlx-lm", "batch-generator", "mlx-lm-spec", "flashbatch")
 DEFAULT_AR_DRAFT = str(Path(__file__).with_name("ar_draft"))  # shipped; bench/train_ar_draft.py
 
@@ -39,6 +39,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workloads", type=_csv(str), help=f"comma-separated (default {','.join(WORKLOADS)})"
     )
+    parser.add_argument(
+        "--workload-set", choices=("bundled", "mix"),
+        help="bundled: the bundled pair's raw-text workloads; mix: held-out prompts of the "
+        "chat-model mix, chat kinds in the chat template (default: bundled for the bundled "
+        "target, mix for any other)",
+    )  # fmt: skip
     parser.add_argument("--temperatures", type=_csv(float), help="comma-separated (default 0,1)")
     parser.add_argument(
         "--concurrency", type=_csv(int), help="comma-separated (default 1,2,4,8,16,32)"

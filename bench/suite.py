@@ -70,6 +70,9 @@ class SuiteConfig:
     policies: list[str] = field(default_factory=lambda: ["off", "3", "7", "adaptive"])
     engines: list[str] = field(default_factory=lambda: list(ENGINE_KINDS))
     max_prompt_tokens: int | None = None  # keep each prompt's last N tokens
+    # "bundled": the bundled pair's workloads (raw text); "mix": held-out prompts of the chat
+    # mix, in the chat template where the kind is chat (real instruct models)
+    workload_set: str = "bundled"
     warmup: bool = True
     quick: bool = False
     out_dir: str | None = None
@@ -87,17 +90,44 @@ def workload_texts(name: str) -> list[str]:
     workloads = load_workloads()
     if name == "mixed":
         return [t for pair in zip(workloads["editing"], workloads["prose"]) for t in pair]
+    if name == "chat":  # the bundled target is no chat model: its chat stand-in is prose
+        name = "prose"
     if name not in workloads:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     return workloads[name]
 
 
+def mix_prompts(name: str, per_kind: int = 64) -> list[Any]:
+    """Held-out prompts of the chat-model mix (`drafters.dflash.prompt_mix`): what a server
+    for a real instruct model is asked. Chat kinds are wrapped in the chat template."""
+    from drafters.dflash.prompt_mix import build_prompts
+
+    prompts = build_prompts("held_out", per_kind)
+    by_kind = {k: [p for p in prompts if p.kind == k] for k in ("completion", "editing", "chat",
+                                                               "prose")}  # fmt: skip
+    if name == "mixed":
+        return [p for pair in zip(by_kind["editing"], by_kind["chat"]) for p in pair]
+    if name not in by_kind:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    return by_kind[name]
+
+
 def cell_prompts(
-    tokenizer: Any, workload: str, count: int, max_prompt_tokens: int | None
+    tokenizer: Any,
+    workload: str,
+    count: int,
+    max_prompt_tokens: int | None,
+    workload_set: str = "bundled",
 ) -> list[list[int]]:
-    texts = workload_texts(workload)
-    chosen = (texts * (count // len(texts) + 1))[:count]
-    prompts = [list(tokenizer.encode(t)) for t in chosen]
+    if workload_set == "mix":
+        from drafters.dflash.datagen import encode
+
+        chosen = mix_prompts(workload)
+        prompts = [encode(tokenizer, p) for p in (chosen * (count // len(chosen) + 1))[:count]]
+    else:
+        texts = workload_texts(workload)
+        chosen = (texts * (count // len(texts) + 1))[:count]
+        prompts = [list(tokenizer.encode(t)) for t in chosen]
     if max_prompt_tokens:
         prompts = [p[-max_prompt_tokens:] for p in prompts]
     return prompts
@@ -311,7 +341,9 @@ async def run_suite(
     rows: list[dict[str, Any]] = []
     try:
         if cfg.warmup:  # first calls allocate buffers and build caches: not measured
-            warm = cell_prompts(tokenizer, cfg.workloads[0], 2, cfg.max_prompt_tokens)
+            warm = cell_prompts(
+                tokenizer, cfg.workloads[0], 2, cfg.max_prompt_tokens, cfg.workload_set
+            )
             for eng in engines:
                 if eng.name in failures:
                     continue
@@ -322,8 +354,9 @@ async def run_suite(
                     failures[eng.name] = "warm-up failed: " + _error(exc)
         for workload, temperature, concurrency in cells:
             prompts = cell_prompts(
-                tokenizer, workload, cfg.requests_at(concurrency), cfg.max_prompt_tokens
-            )
+                tokenizer, workload, cfg.requests_at(concurrency), cfg.max_prompt_tokens,
+                cfg.workload_set,
+            )  # fmt: skip
             params = RunParams(cfg.max_tokens, temperature)
             here = runs_here(concurrency)
             runs: dict[str, list[RunResult]] = {e.name: [] for e in here}
@@ -444,6 +477,10 @@ def config_from_args(args: Any) -> SuiteConfig:
     cfg = SuiteConfig(target=str(target), drafter=drafter, ar_draft=args.ar_draft or None,
                       num_draft_tokens=args.num_draft_tokens, warmup=args.warmup,
                       quick=args.quick, max_prompt_tokens=args.max_prompt_tokens)  # fmt: skip
+    is_bundled = Path(target).resolve() == bundled_target.resolve()
+    cfg.workload_set = getattr(args, "workload_set", None) or ("bundled" if is_bundled else "mix")
+    if cfg.workload_set == "bundled":  # its "chat" is prose again
+        cfg.workloads = [w for w in cfg.workloads if w != "chat"]
     if args.quick:
         for key, value in QUICK.items():
             setattr(cfg, key, value)

@@ -340,3 +340,25 @@ def test_shipped_ar_draft_pairs_with_the_bundled_target():
     assert params(draft) * 10 < params(target)
     out = draft(mx.array([[1, 2, 3]]))
     assert out.shape == (1, 3, target.args.vocab_size)
+
+
+def test_mix_workloads_wrap_chat_kinds_in_the_chat_template(tmp_path):
+    from mlx_lm.utils import load_tokenizer
+
+    from bench.suite import cell_prompts, config_from_args
+    from engine.bundled.pair import bundled_paths
+
+    target, _ = bundled_paths()
+    tokenizer = load_tokenizer(target)
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    editing = cell_prompts(tokenizer, "editing", 3, None, workload_set="mix")
+    completion = cell_prompts(tokenizer, "completion", 3, None, workload_set="mix")
+    assert len(editing) == 3 and all(p[0] == im_start for p in editing)
+    assert all(im_start not in p for p in completion)  # raw code, no template
+    # The default set follows the target: the bundled pair keeps its own workloads, any other
+    # model (here the bundled target under another path) gets the chat mix.
+    args = cli.build_parser().parse_args(["bench", "run", "--quick"])
+    assert config_from_args(args).workload_set == "bundled"
+    shutil.copytree(target, tmp_path / "target")
+    args = cli.build_parser().parse_args(["bench", "run", "--target", str(tmp_path / "target")])
+    assert config_from_args(args).workload_set == "mix"

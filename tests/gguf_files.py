@@ -9,12 +9,36 @@ type MLX does not decode, go through `write_gguf`, a minimal writer of the GGUF 
 
 from __future__ import annotations
 
+import importlib
 import json
+import shutil
 import struct
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.utils import save_config, save_model
+
+from engine.bundled.pair import BUNDLED_TARGET
+
+
+def build_source(directory: Path, model_type: str, seed: int, **overrides) -> Path:
+    """A tiny random mlx-lm model with the bundled tokenizer (so the GGUF carries a real one)."""
+    from factories import target_config
+
+    vocab = json.loads((BUNDLED_TARGET / "config.json").read_text())["vocab_size"]
+    config = {**target_config(model_type, vocab, layers=2), **overrides}
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    directory.mkdir(parents=True)
+    save_model(directory, model)
+    save_config(config, directory / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(BUNDLED_TARGET / name, directory / name)
+    return directory
+
 
 F32, F16, Q4_0, Q4_1, Q8_0, Q4_K = 0, 1, 2, 3, 8, 12
 
@@ -150,6 +174,16 @@ def write_float_gguf(path: Path, tensors: dict[str, np.ndarray], meta: dict,
     }
     mx.save_gguf(str(path), arrays, _mx_meta(meta))
     return path
+
+
+def metadata(source: Path) -> dict:
+    """All the metadata llama.cpp writes for `source` (its tokenizer: GPT-2 pre-tokenizer)."""
+    return {**model_metadata(source), **tokenizer_metadata(source, "gpt-2")}
+
+
+def write_model_gguf(source: Path, path: Path, dtype=mx.float32) -> Path:
+    """`source` as a float GGUF file in llama.cpp's layout."""
+    return write_float_gguf(path, llama_cpp_tensors(source), metadata(source), dtype)
 
 
 # ----------------------------------------------------------------------------- quantized

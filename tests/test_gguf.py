@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +10,6 @@ import gguf_files as gf
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.utils import save_config, save_model
 
 from engine.bundled.pair import BUNDLED_TARGET
 from engine.loading import load_target_model
@@ -29,42 +27,16 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
     return tmp_path / "cache"
 
 
-def build_source(directory: Path, model_type: str, seed: int, **overrides) -> Path:
-    """A tiny random mlx-lm model with the bundled tokenizer (so the GGUF carries a real one)."""
-    from factories import target_config
-
-    vocab = json.loads((BUNDLED_TARGET / "config.json").read_text())["vocab_size"]
-    config = {**target_config(model_type, vocab, layers=2), **overrides}
-    module = importlib.import_module(f"mlx_lm.models.{model_type}")
-    mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    mx.eval(model.parameters())
-    directory.mkdir(parents=True)
-    save_model(directory, model)
-    save_config(config, directory / "config.json")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(BUNDLED_TARGET / name, directory / name)
-    return directory
-
-
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf-sources")
     return {
         # llama with its own output head; qwen3 tied, with head_dim != hidden / heads
-        "llama": build_source(root / "llama", "llama", seed=11),
-        "qwen3": build_source(
+        "llama": gf.build_source(root / "llama", "llama", seed=11),
+        "qwen3": gf.build_source(
             root / "qwen3", "qwen3", seed=12, head_dim=32, tie_word_embeddings=True
         ),  # fmt: skip
     }
-
-
-def metadata(source: Path) -> dict:
-    return {**gf.model_metadata(source), **gf.tokenizer_metadata(source, "gpt-2")}
-
-
-def write_float(source: Path, path: Path, dtype=mx.float32) -> Path:
-    return gf.write_float_gguf(path, gf.llama_cpp_tensors(source), metadata(source), dtype)
 
 
 def logits(model, ids=PROMPT) -> np.ndarray:
@@ -85,7 +57,7 @@ def reference_model(source: Path, weights: dict[str, np.ndarray] | None = None):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_float_gguf_gives_the_logits_of_its_source(sources, tmp_path, arch):
     source = sources[arch]
-    path = write_float(source, tmp_path / f"{arch}.gguf")
+    path = gf.write_model_gguf(source, tmp_path / f"{arch}.gguf")
     model, _ = load_target_model(path)
     expected = logits(reference_model(source))
     np.testing.assert_allclose(logits(model), expected, rtol=1e-5, atol=1e-5)
@@ -107,7 +79,7 @@ def test_llama_q_k_rows_must_be_unpermuted(sources, tmp_path):
 
 def test_float16_gguf_matches_its_rounded_source(sources, tmp_path):
     source = sources["llama"]
-    path = write_float(source, tmp_path / "f16.gguf", mx.float16)
+    path = gf.write_model_gguf(source, tmp_path / "f16.gguf", mx.float16)
     model, _ = load_target_model(path)
     rounded = {k: v.astype(np.float16).astype(np.float32) if v.ndim == 2 else v
                for k, v in gf.model_weights(source).items()}  # fmt: skip
@@ -121,7 +93,7 @@ def test_float16_gguf_matches_its_rounded_source(sources, tmp_path):
 def test_quantized_gguf_matches_its_dequantized_reference(sources, tmp_path, arch, kind):
     source = sources[arch]
     tensors, values = gf.quantized_tensors(gf.llama_cpp_tensors(source), kind)
-    path = gf.write_gguf(tmp_path / "q.gguf", tensors, metadata(source))
+    path = gf.write_gguf(tmp_path / "q.gguf", tensors, gf.metadata(source))
     model, _ = load_target_model(path)
     # ggml's own dequantization (numpy, from the blocks), back in mlx-lm names and row order
     reference = {}
@@ -153,7 +125,7 @@ def test_unsupported_tensor_type_is_named_and_nothing_is_written(sources, tmp_pa
     source = sources["llama"]
     tensors, _ = gf.quantized_tensors(gf.llama_cpp_tensors(source), gf.Q8_0)
     tensors["blk.1.ffn_down.weight"] = (gf.Q4_K, (64, 256), b"\0" * (144 * 64))
-    path = gf.write_gguf(tmp_path / "k.gguf", tensors, metadata(source))
+    path = gf.write_gguf(tmp_path / "k.gguf", tensors, gf.metadata(source))
     with pytest.raises(GGUFError, match=r"blk\.1\.ffn_down\.weight \(Q4_K\)"):
         load_target_model(path)
     entries = [p for p in (cache_dir / "models").glob("*") if p.is_dir()]
@@ -177,7 +149,7 @@ def test_unknown_pre_tokenizer_is_refused(sources, tmp_path):
 
 
 def test_truncated_gguf_is_refused(sources, tmp_path):
-    path = write_float(sources["llama"], tmp_path / "full.gguf")
+    path = gf.write_model_gguf(sources["llama"], tmp_path / "full.gguf")
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(path.read_bytes()[:-1000])
     with pytest.raises(GGUFError, match="truncated"):
@@ -190,7 +162,7 @@ def test_repeated_load_uses_the_cache_and_a_corrupt_entry_is_rebuilt(sources, tm
     calls = []
     real = gguf.convert_gguf
     monkeypatch.setattr(gguf, "convert_gguf", lambda *a: calls.append(a) or real(*a))
-    path = write_float(sources["qwen3"], tmp_path / "m.gguf")
+    path = gf.write_model_gguf(sources["qwen3"], tmp_path / "m.gguf")
     first = resolve_target(path)
     copy = tmp_path / "renamed.gguf"
     shutil.copy(path, copy)
@@ -219,7 +191,7 @@ def test_a_failed_conversion_leaves_no_entry(sources, tmp_path, cache_dir, monke
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(gguf, "convert_gguf", broken)
-    path = write_float(sources["llama"], tmp_path / "m.gguf")
+    path = gf.write_model_gguf(sources["llama"], tmp_path / "m.gguf")
     with pytest.raises(RuntimeError, match="disk full"):
         resolve_target(path)
     assert [p.name for p in (cache_dir / "models").iterdir() if p.is_dir()] == []
@@ -252,7 +224,7 @@ def test_tokenizer_rebuilt_from_metadata_matches_the_source(sources, tmp_path):
     from transformers import AutoTokenizer
 
     source = sources["qwen3"]
-    directory = resolve_target(write_float(source, tmp_path / "t.gguf"))
+    directory = resolve_target(gf.write_model_gguf(source, tmp_path / "t.gguf"))
     original = Tokenizer.from_file(str(BUNDLED_TARGET / "tokenizer.json"))
     rebuilt = Tokenizer.from_file(str(directory / "tokenizer.json"))
     for text in SAMPLES:
@@ -280,7 +252,7 @@ def test_mlx_lm_and_transformers_accept_the_converted_directory(sources, tmp_pat
     from mlx_lm import load
     from transformers import AutoConfig, AutoTokenizer
 
-    directory = resolve_target(write_float(sources["llama"], tmp_path / "m.gguf"))
+    directory = resolve_target(gf.write_model_gguf(sources["llama"], tmp_path / "m.gguf"))
     model, tokenizer = load(str(directory))
     assert tokenizer.eos_token_ids == {0}
     assert tokenizer.encode("def f(x):") == AutoTokenizer.from_pretrained(str(directory)).encode(

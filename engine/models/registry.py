@@ -1,8 +1,9 @@
 """Named models: a small table from a name (`--target smollm2-135m-instruct`) to where its
 weights come from and which DFlash drafter the project trained for it.
 
-Adding a model is one entry. A drafter is a directory path relative to the `engine` package;
-it is used by default as soon as that directory holds a `config.json`.
+Adding a model is one entry. A drafter is a directory path relative to the `engine` package
+(for example `drafter="models/smollm2_drafter"`, shipped as package data); `serve` and
+`generate` use it by default as soon as that directory holds a `config.json`.
 """
 
 from __future__ import annotations

@@ -472,6 +472,11 @@ def config_from_args(args: Any) -> SuiteConfig:
         target = str(bundled_target)
         if drafter is None and (bundled_drafter / "config.json").is_file():
             drafter = str(bundled_drafter)
+    elif drafter is None:
+        from engine.models.resolve import default_drafter
+
+        paired = default_drafter(target)  # a named model's own drafter, once it has one
+        drafter = str(paired) if paired is not None else None
     if drafter in ("", "none"):
         drafter = None
     cfg = SuiteConfig(target=str(target), drafter=drafter, ar_draft=args.ar_draft or None,

@@ -103,3 +103,40 @@ def test_greedy_equals_mlx_lm_at_concurrency_1_and_8(mlx_lm_model, prompts):
     alone, together = asyncio.run(run())
     assert alone == expected
     assert together == expected * 2
+
+
+def test_flashbatch_serve_with_no_arguments_serves_smollm2(converted):
+    """The README's command: `flashbatch serve` answers a chat question sensibly."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(1200):
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert process.poll() is None, "serve exited"
+            time.sleep(0.1)
+        body = {"messages": CHAT, "max_tokens": 16, "temperature": 0}
+        response = httpx.post(url + "/v1/chat/completions", timeout=120, json=body)
+        assert response.status_code == 200
+        answer = response.json()
+        assert answer["model"] == DEFAULT_MODEL
+        assert "Paris" in answer["choices"][0]["message"]["content"]
+    finally:
+        process.kill()
+        process.wait()

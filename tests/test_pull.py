@@ -118,3 +118,29 @@ def test_bundled_needs_no_pull(monkeypatch):
 def test_unknown_name_lists_the_known_ones():
     with pytest.raises(FileNotFoundError, match="smollm2-135m-instruct"):
         load_target_model("no-such-model")
+
+
+def test_serve_and_generate_default_to_smollm2_and_bundled_brings_its_drafter():
+    from engine.bundled.pair import BUNDLED_DRAFTER
+    from engine.cli import _pair_paths, build_parser
+    from engine.models.registry import DEFAULT_MODEL
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).target == DEFAULT_MODEL
+    assert parser.parse_args(["generate", "--prompt", "x"]).target == DEFAULT_MODEL
+    assert _pair_paths("bundled", None) == ("bundled", str(BUNDLED_DRAFTER))
+    assert _pair_paths("bundled", "none") == ("bundled", None)
+    assert _pair_paths(DEFAULT_MODEL, None) == (DEFAULT_MODEL, None)  # no drafter trained yet
+
+
+def test_a_local_folder_wins_over_a_registry_name(tmp_path, monkeypatch):
+    from engine.models.resolve import resolve_target
+
+    (tmp_path / "bundled").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert resolve_target("bundled") == Path("bundled")
+
+
+def test_generate_reports_an_unknown_target_without_a_traceback(capsys):
+    assert main(["generate", "--target", "no-such-model", "--prompt", "x"]) == 2
+    assert "no model at no-such-model" in capsys.readouterr().err

@@ -140,10 +140,10 @@ def model_metadata(model_dir: Path, arch: str | None = None) -> dict:
         f"{arch}.vocab_size": c["vocab_size"],
     }
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    if arch == "qwen3":
+    if arch == "qwen3" or head_dim != c["hidden_size"] // c["num_attention_heads"]:
         meta[f"{arch}.attention.key_length"] = head_dim
         meta[f"{arch}.attention.value_length"] = head_dim
-    else:
+    if arch != "qwen3":
         meta[f"{arch}.rope.dimension_count"] = head_dim
     return meta
 
@@ -184,6 +184,23 @@ def metadata(source: Path) -> dict:
 def write_model_gguf(source: Path, path: Path, dtype=mx.float32) -> Path:
     """`source` as a float GGUF file in llama.cpp's layout."""
     return write_float_gguf(path, llama_cpp_tensors(source), metadata(source), dtype)
+
+
+def llama3_rope_freqs(head_dim: int, base: float, scaling: dict) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's converter writes for a Llama 3.1-style config."""
+    factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * np.pi * base ** (i / head_dim)
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
 
 
 # ----------------------------------------------------------------------------- quantized

@@ -77,6 +77,22 @@ def test_llama_q_k_rows_must_be_unpermuted(sources, tmp_path):
     assert not np.allclose(logits(wrong), logits(reference_model(source)), atol=1e-3)
 
 
+def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path):
+    scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 4096}  # fmt: skip
+    source = gf.build_source(tmp_path / "l3", "llama", seed=13, head_dim=32, rope_scaling=scaling)
+    tensors = gf.llama_cpp_tensors(source)
+    tensors["rope_freqs.weight"] = gf.llama3_rope_freqs(32, 10000.0, scaling)
+    path = gf.write_float_gguf(tmp_path / "l3.gguf", tensors, gf.metadata(source))
+    model, _ = load_target_model(path)
+    ids = PROMPT * 20  # long enough for the low frequencies' scaling to show in the logits
+    expected = logits(reference_model(source), ids)
+    np.testing.assert_allclose(logits(model, ids), expected, rtol=1e-5, atol=1e-5)
+    unscaled = gf.write_float_gguf(tmp_path / "plain.gguf", gf.llama_cpp_tensors(source),
+                                   gf.metadata(source))  # fmt: skip
+    assert not np.allclose(logits(load_target_model(unscaled)[0], ids), expected, atol=1e-3)
+
+
 def test_float16_gguf_matches_its_rounded_source(sources, tmp_path):
     source = sources["llama"]
     path = gf.write_model_gguf(source, tmp_path / "f16.gguf", mx.float16)

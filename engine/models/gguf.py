@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from engine.models.gguf_header import GGUFError, check_readable
+from engine.models.gguf_rope import llama3_scaling
 from engine.models.gguf_tokenizer import write_tokenizer
 
 GROUP_SIZE = 32  # every ggml quant type MLX decodes uses blocks of 32 values
@@ -83,9 +85,7 @@ def mlx_name(gguf_name: str) -> str:
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
     if base == "rope_freqs":
-        raise GGUFError(
-            "tensor rope_freqs (Llama 3.1-style RoPE frequency scaling) is not supported"
-        )
+        raise GGUFError("tensor rope_freqs (RoPE frequency factors) is supported for llama only")
     raise GGUFError(f"tensor {gguf_name} has no mlx-lm counterpart in this converter")
 
 
@@ -118,8 +118,14 @@ def _float_tensors(raw: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
-def model_config(arch_name: str, meta: dict[str, Any], tensors: dict[str, mx.array]) -> dict:
-    """config.json for mlx-lm / transformers from the `{arch}.*` metadata."""
+def model_config(
+    arch_name: str,
+    meta: dict[str, Any],
+    tensors: dict[str, mx.array],
+    rope_freqs: mx.array | None = None,
+) -> dict:
+    """config.json for mlx-lm / transformers from the `{arch}.*` metadata (and, for Llama 3.1
+    and later, the RoPE scaling that the `rope_freqs` tensor encodes)."""
     arch = ARCHITECTURES[arch_name]
 
     def key(name: str) -> str:
@@ -128,7 +134,9 @@ def model_config(arch_name: str, meta: dict[str, Any], tensors: dict[str, mx.arr
     hidden = int(_required(meta, key("embedding_length")))
     n_head = int(_required(meta, key("attention.head_count")))
     n_kv = int(_scalar(meta, key("attention.head_count_kv"), n_head))
-    head_dim = int(_scalar(meta, key("attention.key_length"), hidden // n_head))
+    # key_length is written only when it differs from hidden / heads; the q rows tell as well
+    q_rows = tensors["blk.0.attn_q.weight"].shape[0] if "blk.0.attn_q.weight" in tensors else 0
+    head_dim = int(_scalar(meta, key("attention.key_length"), q_rows // n_head or hidden // n_head))
     config: dict[str, Any] = {
         "architectures": [arch.hf_class],
         "model_type": arch.model_type,
@@ -155,6 +163,14 @@ def model_config(arch_name: str, meta: dict[str, Any], tensors: dict[str, mx.arr
                             "supported; only linear is")  # fmt: skip
         factor = float(_required(meta, key("rope.scaling.factor")))
         config["rope_scaling"] = {"type": "linear", "factor": factor}
+    if rope_freqs is not None:
+        original = _scalar(meta, key("rope.scaling.original_context_length"))
+        rope_dims = int(_scalar(meta, key("rope.dimension_count"), head_dim))
+        scaling = llama3_scaling(
+            np.array(rope_freqs.astype(mx.float32)), rope_dims, config["rope_theta"], original
+        )
+        if scaling is not None:
+            config["rope_scaling"] = scaling
     for name in ("bos", "eos", "padding"):
         token_id = _scalar(meta, f"tokenizer.ggml.{name}_token_id")
         if token_id is not None:
@@ -181,7 +197,8 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> dict:
     raw, meta = mx.load(str(path), return_metadata=True)
     tensors = _float_tensors(raw)
     del raw
-    config = model_config(arch_name, meta, tensors)
+    rope_freqs = tensors.pop("rope_freqs.weight", None) if arch_name == "llama" else None
+    config = model_config(arch_name, meta, tensors, rope_freqs)
     weights: dict[str, mx.array] = {}
     for name, value in tensors.items():
         if ARCHITECTURES[arch_name].permuted_qk:

@@ -31,8 +31,10 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
 def sources(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf-sources")
     return {
-        # llama with its own output head; qwen3 tied, with head_dim != hidden / heads
+        # llama with its own output head; qwen3 tied, with head_dim != hidden / heads;
+        # qwen2 with its q/k/v biases
         "llama": gf.build_source(root / "llama", "llama", seed=11),
+        "qwen2": gf.build_source(root / "qwen2", "qwen2", seed=14),
         "qwen3": gf.build_source(
             root / "qwen3", "qwen3", seed=12, head_dim=32, tie_word_embeddings=True
         ),  # fmt: skip
@@ -54,7 +56,7 @@ def reference_model(source: Path, weights: dict[str, np.ndarray] | None = None):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_float_gguf_gives_the_logits_of_its_source(sources, tmp_path, arch):
     source = sources[arch]
     path = gf.write_model_gguf(source, tmp_path / f"{arch}.gguf")
@@ -64,6 +66,8 @@ def test_float_gguf_gives_the_logits_of_its_source(sources, tmp_path, arch):
     config = json.loads((resolve_target(path) / "config.json").read_text())
     assert config["tie_word_embeddings"] is (arch == "qwen3")
     assert config["head_dim"] == (32 if arch == "qwen3" else 16)
+    if arch == "qwen2":
+        assert "model.layers.1.self_attn.k_proj.bias" in dict(_flat(model.parameters()))
 
 
 def test_llama_q_k_rows_must_be_unpermuted(sources, tmp_path):

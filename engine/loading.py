@@ -11,6 +11,7 @@ import mlx.nn as nn
 from drafters.dflash.checkpoint import load_dflash_model, read_config
 from drafters.dflash.config import validate_pairing
 from drafters.dflash.drafter import DFlashDrafter
+from engine.models.gguf_dtype import converted_gguf_dtype
 from engine.platform import compute_dtype
 from engine.target import TargetAdapter, target_shape
 
@@ -41,6 +42,8 @@ def load_target_model(path: str | Path) -> tuple[nn.Module, Any]:
         raise FileNotFoundError(f"no mlx-lm model at {path} (config.json missing)")
     model, tokenizer = load(str(path))
     dtype = compute_dtype()
+    if dtype is None:
+        dtype = converted_gguf_dtype(path)  # a GPU computes a GGUF in the file's own precision
     if dtype is not None:
         model.set_dtype(dtype)
     return model, tokenizer

@@ -281,3 +281,18 @@ def test_mlx_lm_and_transformers_accept_the_converted_directory(sources, tmp_pat
     config = AutoConfig.from_pretrained(str(directory))
     assert config.model_type == "llama" and config.num_key_value_heads == 2
     assert logits(model).shape == (len(PROMPT), 4096)
+
+
+def test_on_a_gpu_a_gguf_computes_in_its_own_precision(sources, tmp_path, monkeypatch):
+    import engine.loading
+
+    monkeypatch.setattr(engine.loading, "compute_dtype", lambda: None)  # as on Metal / CUDA
+    source = sources["llama"]
+    tensors, _ = gf.quantized_tensors(gf.llama_cpp_tensors(source), gf.Q4_1)
+    quantized = gf.write_gguf(tmp_path / "q.gguf", tensors, gf.metadata(source))
+    model, _ = load_target_model(quantized)
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == mx.float16
+    model, _ = load_target_model(gf.write_model_gguf(source, tmp_path / "f32.gguf"))
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == mx.float32
+    model, _ = load_target_model(source)  # an mlx-lm directory keeps its stored dtype
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == mx.float32

@@ -118,6 +118,12 @@ def _float_tensors(raw: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
+def source_float_dtype(raw: dict[str, mx.array]) -> str:
+    """The float precision the GGUF itself carries (its F16 tensors, its quant scales):
+    what a GPU computes in, as it would for an mlx-lm checkpoint stored in that dtype."""
+    return "float16" if any(v.dtype == mx.float16 for v in raw.values()) else "float32"
+
+
 def model_config(
     arch_name: str,
     meta: dict[str, Any],
@@ -151,7 +157,7 @@ def model_config(
         "rope_theta": float(_scalar(meta, key("rope.freq_base"), 10000.0)),
         "max_position_embeddings": int(_scalar(meta, key("context_length"), 4096)),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "torch_dtype": "float32",
+        "torch_dtype": "float32",  # as stored here; `gguf_dtype` is the source file's
     }
     if arch.model_type == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
@@ -196,9 +202,11 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> dict:
     arch_name = architecture_of(path)
     raw, meta = mx.load(str(path), return_metadata=True)
     tensors = _float_tensors(raw)
+    gguf_dtype = source_float_dtype(raw)
     del raw
     rope_freqs = tensors.pop("rope_freqs.weight", None) if arch_name == "llama" else None
     config = model_config(arch_name, meta, tensors, rope_freqs)
+    config["gguf_dtype"] = gguf_dtype
     weights: dict[str, mx.array] = {}
     for name, value in tensors.items():
         if ARCHITECTURES[arch_name].permuted_qk:

@@ -296,3 +296,13 @@ def test_on_a_gpu_a_gguf_computes_in_its_own_precision(sources, tmp_path, monkey
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == mx.float32
     model, _ = load_target_model(source)  # an mlx-lm directory keeps its stored dtype
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == mx.float32
+
+
+def test_a_new_converter_version_replaces_the_old_entry(sources, tmp_path):
+    path = gf.write_model_gguf(sources["llama"], tmp_path / "m.gguf")
+    current = cache.entry_dir(cache.source_sha256(path))
+    old = current.with_name(current.name.rsplit("-v", 1)[0] + f"-v{cache.CONVERTER_VERSION - 1}")
+    old.mkdir(parents=True)
+    (old / "model.safetensors").write_bytes(b"old weights")
+    assert resolve_target(path) == current
+    assert not old.exists()

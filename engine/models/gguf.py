@@ -169,9 +169,12 @@ def model_config(
                             "supported; only linear is")  # fmt: skip
         factor = float(_required(meta, key("rope.scaling.factor")))
         config["rope_scaling"] = {"type": "linear", "factor": factor}
+    rope_dims = int(_scalar(meta, key("rope.dimension_count"), head_dim))
+    if rope_dims != head_dim:  # mlx-lm's llama/qwen rotate the whole head
+        raise GGUFError(f"partial RoPE ({key('rope.dimension_count')} {rope_dims} of head_dim "
+                        f"{head_dim}) is not supported")  # fmt: skip
     if rope_freqs is not None:
         original = _scalar(meta, key("rope.scaling.original_context_length"))
-        rope_dims = int(_scalar(meta, key("rope.dimension_count"), head_dim))
         scaling = llama3_scaling(
             np.array(rope_freqs.astype(mx.float32)), rope_dims, config["rope_theta"], original
         )

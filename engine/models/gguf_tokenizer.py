@@ -11,12 +11,15 @@ training without any visible error.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
 from engine.models.gguf_header import GGUFError
+
+log = logging.getLogger(__name__)
 
 CONTROL, USER_DEFINED, UNKNOWN = 3, 4, 2  # llama.cpp token types
 
@@ -80,7 +83,10 @@ def tokenizer_json(meta: dict[str, Any]) -> dict:
         raise GGUFError(
             f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')"
         )
-    pre = _value(meta, "tokenizer.ggml.pre", "gpt-2")
+    pre = _value(meta, "tokenizer.ggml.pre")
+    if pre is None:  # files from before llama.cpp named pre-tokenizers
+        log.warning("GGUF names no pre-tokenizer (tokenizer.ggml.pre): assuming GPT-2's")
+        pre = "gpt-2"
     if pre not in PRE_TOKENIZERS:
         raise GGUFError(
             f"GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported "

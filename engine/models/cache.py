@@ -66,7 +66,10 @@ def source_sha256(path: Path) -> str:
         return seen["sha256"]
     sha = file_sha256(path)
     memo[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha}
-    _write_atomically(memo_file, json.dumps(memo, indent=1))
+    try:
+        _write_atomically(memo_file, json.dumps(memo, indent=1))
+    except OSError as exc:  # a read-only cache (an image's) still serves its entries
+        log.info("not memoising the hash of %s: %s", path, exc)
     return sha
 
 

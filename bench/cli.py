@@ -24,7 +24,10 @@ def _csv(kind: type) -> Callable[[str], list]:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="mlx-lm model directory (default: the bundled target)")
+    parser.add_argument(
+        "--target",
+        help="mlx-lm model directory, .gguf file or model name (default: the bundled target)",
+    )
     parser.add_argument(
         "--drafter", help="DFlash drafter directory (default: the bundled drafter; 'none': off)"
     )
@@ -83,7 +86,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="start flashbatch's server and mlx_lm.server on --target (one after the other, on "
         "127.0.0.1), run the same load against each and report the ratio",
     )  # fmt: skip
-    parser.add_argument("--target", help="--compare: model directory (default: bundled target)")
+    parser.add_argument(
+        "--target", help="--compare: model directory, .gguf or name (default: bundled target)"
+    )
     parser.add_argument("--drafter", help="--compare: flashbatch's DFlash drafter ('none': off)")
     parser.add_argument(
         "--num-speculative-tokens", type=int, help="--compare: flashbatch's depth (unset: adaptive)"

@@ -426,8 +426,10 @@ def mlx_lm_model_dir(target: str, work: Path) -> tuple[str, str]:
     dtype. For the same arithmetic, a bf16/fp16 checkpoint gets a float32 copy for mlx-lm."""
     import engine  # noqa: F401  (fast BLAS before mlx)
     from engine.loading import load_target_model
+    from engine.models.resolve import resolve_target
     from engine.platform import compute_dtype
 
+    target = str(resolve_target(target))  # a .gguf file or a model name: its mlx-lm directory
     if compute_dtype() is None or stored_dtypes(Path(target)) <= {"F32"}:
         return str(target), "the checkpoint as stored (same dtype as flashbatch)"
     from mlx_lm.utils import save_model

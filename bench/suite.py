@@ -472,12 +472,20 @@ def config_from_args(args: Any) -> SuiteConfig:
         target = str(bundled_target)
         if drafter is None and (bundled_drafter / "config.json").is_file():
             drafter = str(bundled_drafter)
+    elif drafter is None:
+        from engine.models.resolve import default_drafter
+
+        paired = default_drafter(target)  # a named model's own drafter, once it has one
+        drafter = str(paired) if paired is not None else None
     if drafter in ("", "none"):
         drafter = None
     cfg = SuiteConfig(target=str(target), drafter=drafter, ar_draft=args.ar_draft or None,
                       num_draft_tokens=args.num_draft_tokens, warmup=args.warmup,
                       quick=args.quick, max_prompt_tokens=args.max_prompt_tokens)  # fmt: skip
-    is_bundled = Path(target).resolve() == bundled_target.resolve()
+    from engine.models.registry import BUNDLED
+
+    named_bundled = target == BUNDLED and not Path(target).exists()  # `--target bundled`
+    is_bundled = named_bundled or Path(target).resolve() == bundled_target.resolve()
     cfg.workload_set = getattr(args, "workload_set", None) or ("bundled" if is_bundled else "mix")
     if cfg.workload_set == "bundled":  # its "chat" is prose again
         cfg.workloads = [w for w in cfg.workloads if w != "chat"]

@@ -17,7 +17,6 @@ import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -25,6 +24,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.errors import EngineClosed, InvalidRequest
+from engine.models.resolve import display_name
 from engine.sampling import SamplingParams
 from engine.stopping import StopChecker
 from metrics import EngineMetrics
@@ -63,7 +63,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, depth_policy: DepthPolicy | None = None) -> None:
         config.validate()
         self.config = config
-        self.model_name = config.model_name or Path(config.target).name
+        self.model_name = config.model_name or display_name(config.target)
         self._policy = depth_policy
         self.metrics = EngineMetrics(self.model_name)
         self._executor: ThreadPoolExecutor | None = None

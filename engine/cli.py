@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import engine  # noqa: F401  (fast BLAS before mlx)
+from engine.models.registry import DEFAULT_MODEL
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -32,14 +33,54 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pair_paths(target: str, drafter: str | None) -> tuple[str, str | None]:
+    """A target value and its drafter: the one given, or the registry's for a named target
+    (when it exists in this checkout); 'none' or '' turns drafting off."""
+    from engine.models.resolve import default_drafter
+
+    if drafter is None:
+        paired = default_drafter(target)
+        drafter = str(paired) if paired is not None else None
+    return target, None if drafter in (None, "", "none") else drafter
+
+
+def _model_error(exc: Exception) -> int:
+    print(f"flashbatch: {exc}", file=sys.stderr)
+    return 2
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from engine.models.gguf_header import GGUFError
+    from engine.models.pull import PullError, pull
+    from engine.models.registry import REGISTRY
+
+    if args.list:
+        for entry in REGISTRY.values():
+            print(f"{entry.name:24} {entry.description} ({entry.license})")
+        return 0
+    if not args.name:
+        print("flashbatch pull: give a model name (--list shows them)", file=sys.stderr)
+        return 2
+    try:
+        print(pull(args.name))
+    except (PullError, GGUFError) as exc:
+        return _model_error(exc)
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from engine.loading import load_pair
+    from engine.models.gguf_header import GGUFError
+    from engine.models.pull import PullError
     from engine.sampling import SamplingParams
     from engine.speculative import generate
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine.report_blas()
-    pair = load_pair(args.target, args.drafter)
+    try:
+        pair = load_pair(*_pair_paths(args.target, args.drafter))
+    except (PullError, GGUFError, FileNotFoundError) as exc:
+        return _model_error(exc)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -110,24 +151,21 @@ def _env(name: str, default: Any = None, kind: type = str) -> Any:
 
 def _serve(args: argparse.Namespace) -> int:
     from engine.async_engine import AsyncEngine
-    from engine.bundled.pair import bundled_paths
     from engine.config import EngineConfig
+    from engine.models.gguf_header import GGUFError
+    from engine.models.pull import PullError
+    from engine.models.resolve import resolve_target
     from engine.server import ServerSettings, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    target, drafter = args.target, args.drafter
-    if target is None:
-        bundled_target, bundled_drafter = bundled_paths()
-        if not (bundled_target / "config.json").is_file():
-            print("no model to serve: pass --target (the bundled pair is not built in this "
-                  "checkout; see `python -m engine.bundled.build`)", file=sys.stderr)  # fmt: skip
-            return 2
-        target = str(bundled_target)
-        if drafter is None and (bundled_drafter / "config.json").is_file():
-            drafter = str(bundled_drafter)
+    target, drafter = _pair_paths(args.target, args.drafter)
+    try:
+        resolve_target(target)  # pull or convert now: a failure is a message, not a traceback
+    except (PullError, GGUFError, FileNotFoundError) as exc:
+        return _model_error(exc)
     config = EngineConfig(
         target=target,
-        drafter=None if drafter in (None, "", "none") else drafter,
+        drafter=drafter,
         model_name=args.served_model_name,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
@@ -146,17 +184,25 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+TARGET_HELP = (
+    "mlx-lm model directory, .gguf file, or model name (`flashbatch pull --list`; "
+    "'bundled' = the bundled offline pair)"
+)
+DEFAULT_TARGET_HELP = f"{TARGET_HELP[:-1]}; default {DEFAULT_MODEL})"
+DRAFTER_HELP = "DFlash drafter directory (default: the named model's own, if any; 'none': off)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser(
         "serve",
-        help="OpenAI-compatible HTTP server (the bundled pair when no --target is given)",
+        help=f"OpenAI-compatible HTTP server ({DEFAULT_MODEL} unless --target says otherwise)",
         description="Every flag also reads FLASHBATCH_<NAME> from the environment.",
     )
-    srv.add_argument("--target", default=_env("TARGET"), help="mlx-lm model directory")
-    srv.add_argument("--drafter", default=_env("DRAFTER"), help="DFlash drafter ('none': off)")
+    srv.add_argument("--target", default=_env("TARGET", DEFAULT_MODEL), help=DEFAULT_TARGET_HELP)
+    srv.add_argument("--drafter", default=_env("DRAFTER"), help=DRAFTER_HELP)
     srv.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"))
     srv.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     srv.add_argument("--port", type=int, default=_env("PORT", 8000, int))
@@ -187,12 +233,17 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
     srv.set_defaults(func=_serve)
 
+    pull = sub.add_parser("pull", help="fetch and convert a named model (cached; offline after)")
+    pull.add_argument("name", nargs="?", help=f"model name, e.g. {DEFAULT_MODEL}")
+    pull.add_argument("--list", action="store_true", help="list the named models")
+    pull.set_defaults(func=_pull)
+
     info = sub.add_parser("info", help="show the MLX device and which BLAS is active")
     info.set_defaults(func=_info)
 
     gen = sub.add_parser("generate", help="generate one completion (speculative with --drafter)")
-    gen.add_argument("--target", required=True, help="mlx-lm model directory")
-    gen.add_argument("--drafter", help="DFlash drafter directory (z-lab layout)")
+    gen.add_argument("--target", default=_env("TARGET", DEFAULT_MODEL), help=DEFAULT_TARGET_HELP)
+    gen.add_argument("--drafter", default=_env("DRAFTER"), help=DRAFTER_HELP)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -206,12 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     td = sub.add_parser("train-drafter", help="train a DFlash drafter: data, fit, eval")
     td_steps = td.add_subparsers(dest="step", required=True)
     td_data = td_steps.add_parser("data", help="write the target's greedy continuations (JSONL)")
-    td_data.add_argument("--target", required=True, help="mlx-lm model directory")
+    td_data.add_argument("--target", required=True, help=TARGET_HELP)
     td_data.add_argument("--prompts", required=True, help="one prompt per line, or .jsonl")
     td_data.add_argument("--out", required=True, help="output JSONL (resumes if it exists)")
     td_data.add_argument("--max-tokens", type=int, default=256)
     td_fit = td_steps.add_parser("fit", help="train a drafter on a data JSONL")
-    td_fit.add_argument("--target", required=True, help="mlx-lm model directory")
+    td_fit.add_argument("--target", required=True, help=TARGET_HELP)
     td_fit.add_argument("--data", required=True, help="JSONL written by `data`")
     td_fit.add_argument("--out", required=True, help="drafter directory (z-lab layout)")
     td_fit.add_argument("--layers", type=int, default=1, help="drafter layers")
@@ -236,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue from --out's checkpoint (sizes from it)"
     )
     td_eval = td_steps.add_parser("eval", help="tau of a drafter on held-out prompts")
-    td_eval.add_argument("--target", required=True, help="mlx-lm model directory")
+    td_eval.add_argument("--target", required=True, help=TARGET_HELP)
     td_eval.add_argument("--drafter", required=True, help="drafter directory")
     td_eval.add_argument("--prompts", required=True, help="one prompt per line, or .jsonl")
     td_eval.add_argument("--max-tokens", type=int, default=128)

@@ -8,7 +8,7 @@ import msgspec
 class EngineConfig(msgspec.Struct, kw_only=True):
     """How an `AsyncEngine` is built and how it schedules."""
 
-    target: str  # mlx-lm model directory
+    target: str  # mlx-lm model directory, .gguf file or registry name (engine.models.registry)
     drafter: str | None = None  # DFlash drafter directory (z-lab layout); None = no drafting
     model_name: str | None = None  # name reported to clients; default: the target's folder name
     max_num_seqs: int = 32  # requests prefilling or decoding at once

@@ -11,6 +11,7 @@ import mlx.nn as nn
 from drafters.dflash.checkpoint import load_dflash_model, read_config
 from drafters.dflash.config import validate_pairing
 from drafters.dflash.drafter import DFlashDrafter
+from engine.models.gguf_dtype import converted_gguf_dtype
 from engine.platform import compute_dtype
 from engine.target import TargetAdapter, target_shape
 
@@ -29,21 +30,29 @@ class ModelPair:
 
 
 def load_target_model(path: str | Path) -> tuple[nn.Module, Any]:
-    """An mlx-lm model and tokenizer from a local directory, cast to the compute dtype."""
+    """An mlx-lm model and tokenizer, cast to the compute dtype. `path` is an mlx-lm directory,
+    a `.gguf` file (converted once, cached) or a registry name such as `smollm2-135m-instruct`
+    (pulled once, cached) or `bundled`."""
     from mlx_lm import load
 
-    path = Path(path)
+    from engine.models.resolve import resolve_target
+
+    path = resolve_target(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no mlx-lm model at {path} (config.json missing)")
     model, tokenizer = load(str(path))
     dtype = compute_dtype()
+    if dtype is None:
+        dtype = converted_gguf_dtype(path)  # a GPU computes a GGUF in the file's own precision
     if dtype is not None:
         model.set_dtype(dtype)
     return model, tokenizer
 
 
 def load_pair(target_path: str | Path, drafter_path: str | Path | None = None) -> ModelPair:
-    """Load a target and (optionally) its DFlash drafter; a bad pairing fails here, clearly."""
+    """Load a target (a directory, a `.gguf` file or a registry name) and, optionally, its
+    DFlash drafter; a bad pairing fails here, clearly. No drafter is attached unless given:
+    callers that want a named model's own drafter ask `engine.models.resolve.default_drafter`."""
     model, tokenizer = load_target_model(target_path)
     if drafter_path is None:
         return ModelPair(TargetAdapter(model, []), None, tokenizer)

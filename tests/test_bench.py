@@ -359,6 +359,8 @@ def test_mix_workloads_wrap_chat_kinds_in_the_chat_template(tmp_path):
     # model (here the bundled target under another path) gets the chat mix.
     args = cli.build_parser().parse_args(["bench", "run", "--quick"])
     assert config_from_args(args).workload_set == "bundled"
+    args = cli.build_parser().parse_args(["bench", "run", "--target", "bundled"])
+    assert config_from_args(args).workload_set == "bundled"
     shutil.copytree(target, tmp_path / "target")
     args = cli.build_parser().parse_args(["bench", "run", "--target", str(tmp_path / "target")])
     assert config_from_args(args).workload_set == "mix"

@@ -66,7 +66,7 @@ def test_engine_serves_the_bundled_pair_by_default_and_stays_exact(pair):
         assert tokens == plain_greedy(pair.target.model, ids, 32)
 
 
-def test_flashbatch_serve_with_no_arguments_answers(tmp_path):
+def test_flashbatch_serve_target_bundled_answers(tmp_path):
     import socket
     import subprocess
     import sys
@@ -76,7 +76,8 @@ def test_flashbatch_serve_with_no_arguments_answers(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--log-level", "error"],
+        [sys.executable, "-m", "engine.cli", "serve", "--target", "bundled", "--port", str(port),
+         "--log-level", "error"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
@@ -93,7 +94,7 @@ def test_flashbatch_serve_with_no_arguments_answers(tmp_path):
         assert response.status_code == 200
         body = response.json()
         assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] >= 1
-        assert body["model"] == "target"
+        assert body["model"] == "bundled"
     finally:
         process.kill()
         process.wait()

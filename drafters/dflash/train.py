@@ -688,7 +688,9 @@ def run_fit(
     mask_token_id: int | None = None,
 ) -> TrainResult:
     from engine.loading import load_target_model
+    from engine.models.resolve import resolve_target
 
+    target_dir = resolve_target(target_dir)  # a .gguf file or a name: its converted directory
     model, _ = load_target_model(target_dir)
     raw = json.loads((Path(target_dir) / "config.json").read_text())
     if config.resume and has_checkpoint(config.out_dir):

@@ -1,0 +1,3 @@
+"""Where targets come from: GGUF files converted to mlx-lm directories, the named-model registry
+and `pull`, and the resolution of a `--target` value (a directory, a `.gguf` file or a name) to
+the mlx-lm directory the engine loads."""

@@ -90,3 +90,28 @@ def test_generate_mix_equals_greedy_decoding_and_resumes(tmp_path):
     again = asyncio.run(datagen.generate_mix(str(target_dir), prompts, out, max_tokens=6))
     assert again == 0
     assert len(out.read_text().splitlines()) == 3
+
+
+def test_drafter_build_stages_end_to_end_on_the_bundled_target(tmp_path):
+    """data -> fit -> eval -> export -> card, each recorded as a sitting; a second fit resumes."""
+    from drafters.dflash import build
+    from drafters.dflash.checkpoint import read_config
+
+    work, dest = tmp_path / "work", tmp_path / "drafter"
+    common = ["--target", "bundled", "--work-dir", str(work), "--per-kind", "1",
+              "--concurrency", "4", "--layers", "1", "--block-size", "4", "--batch-size", "1",
+              "--num-anchors", "4", "--max-len", "256", "--feature-cache-mb", "64"]  # fmt: skip
+    build.main([*common, "--stages", "data,fit", "--steps", "2"])
+    facts = build.data_facts(work)
+    assert facts["records"] == 4 and set(facts["by_kind"]) == set(KINDS)
+    build.main([*common, "--stages", "fit,eval,export,card", "--steps", "3",
+                "--eval-prompts", "1", "--eval-max-tokens", "8", "--eval-depth", "3",
+                "--export-dir", str(dest)])  # fmt: skip
+    sittings = json.loads((work / "sittings.json").read_text())
+    assert [s["stage"] for s in sittings] == ["data", "fit", "fit", "eval", "export"]
+    assert sittings[2]["steps"] == 3  # resumed from step 2, not restarted
+    assert read_config(dest).block_size == 4
+    card = (dest / "MODEL_CARD.md").read_text()
+    assert "python -m drafters.dflash.build --target bundled" in card
+    evaluated = json.loads((work / "eval.json").read_text())["results"]
+    assert set(evaluated) == set(KINDS) and all(r["tau"] >= 1.0 for r in evaluated.values())

@@ -136,7 +136,8 @@ def test_errors_use_the_openai_shape(server, body, status, needle):
     response = httpx.post(server.url + path, json=body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert needle in error["message"] and error["code"] == status and error["type"]
+    assert needle in error["message"] and error["type"]
+    assert error["code"] is None or isinstance(error["code"], str)  # OpenAI's: never a number
 
 
 def test_oversized_body_gets_413(server):

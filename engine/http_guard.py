@@ -110,7 +110,8 @@ def guarded_protocol(
             body = msgspec.json.encode(
                 api.error_body(f"invalid HTTP request: {msg}", "invalid_request_error")
             )
-            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                       (b"content-length", str(len(body)).encode())]  # fmt: skip
             for event in (
                 h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
                 h11.Data(data=body),

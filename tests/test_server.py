@@ -289,7 +289,8 @@ def test_sigterm_drains_in_flight_and_refuses_new_work(qwen3_target_dir):
                     assert finals[-1]["choices"][0]["finish_reason"] == "length"
 
         asyncio.run(scenario())
-        # uvicorn re-raises the captured SIGTERM once shut down, as process managers expect
-        assert s.process.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert s.process.wait(timeout=30) == 0  # a requested shutdown that completed: success
+        s.log.seek(0)
+        assert "Traceback" not in s.log.read()
     finally:
         s.stop()

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine import openai_api as api
-from engine.errors import EngineClosed, EngineOverloaded, InvalidRequest
+from engine.errors import EngineClosed, EngineOverloaded, FlashbatchError, InvalidRequest
 
 log = logging.getLogger("flashbatch.server")
 
@@ -105,6 +105,13 @@ async def unexpected_error(request: Request, exc: Exception) -> Response:
     return error_response(HTTPError(500, "internal server error", "internal_error"))
 
 
+def exception_handlers() -> dict:
+    """Starlette's `exception_handlers` for this error path."""
+    handlers: dict = {exc: planned_error for exc in (HTTPError, FlashbatchError, HTTPException)}
+    handlers[Exception] = unexpected_error  # Starlette's last resort (its 500 middleware)
+    return handlers
+
+
 class ErrorBoundary:
     """Outermost ASGI layer: nothing escapes to uvicorn (which would log each one as an
     'Exception in ASGI application' with a traceback)."""
@@ -116,11 +123,12 @@ class ErrorBoundary:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started = completed = False
 
         async def tracking_send(message: Message) -> None:
-            nonlocal started
+            nonlocal started, completed
             started = started or message["type"] == "http.response.start"
+            completed = message["type"] == "http.response.body" and not message.get("more_body")
             await send(message)
 
         try:
@@ -134,3 +142,5 @@ class ErrorBoundary:
             if not started:
                 response = await unexpected_error(Request(scope), RuntimeError())
                 await response(scope, receive, send)
+            elif not completed:  # end the body (uvicorn would log the unfinished one)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})

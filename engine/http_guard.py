@@ -51,6 +51,7 @@ def guarded_protocol(
             self._inner_app = self.app
             self.app = self._app_with_body_deadline
             self._header_timer: asyncio.TimerHandle | None = None
+            self._reading_body = False
 
         # --- connection count and header deadline
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -69,6 +70,14 @@ def guarded_protocol(
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._arm_header_timer()  # the next request's headers have the same bound
+
+        def shutdown(self) -> None:
+            # A request whose body is still arriving was never taken on: close it now rather
+            # than let uvicorn's graceful timeout cancel it (an ERROR line) later.
+            if self._reading_body and not self.transport.is_closing():
+                self.transport.close()
+                return
+            super().shutdown()
 
         def _arm_header_timer(self) -> None:
             self._disarm_header_timer()
@@ -89,21 +98,26 @@ def guarded_protocol(
         async def _app_with_body_deadline(self, scope: Any, receive: Any, send: Any) -> None:
             self._disarm_header_timer()  # the headers are in
             deadline = anyio.current_time() + read_timeout
-            body_done = False
+            # True while part of the body is still on its way (not for a body already in).
+            self._reading_body = self.cycle is not None and self.cycle.more_body
 
             async def receive_by_deadline() -> Any:
-                nonlocal body_done
-                if body_done:
+                if not self._reading_body:
                     return await receive()
                 with anyio.move_on_after(deadline - anyio.current_time()) as wait:
                     message = await receive()
                 if wait.cancelled_caught:
+                    self._reading_body = False
                     on_close("read_timeout")
                     raise RequestReadTimeout(read_timeout)
-                body_done = message["type"] != "http.request" or not message.get("more_body")
+                more = message["type"] == "http.request" and message.get("more_body", False)
+                self._reading_body = more
                 return message
 
-            await self._inner_app(scope, receive_by_deadline, send)
+            try:
+                await self._inner_app(scope, receive_by_deadline, send)
+            finally:
+                self._reading_body = False
 
         # --- malformed requests: uvicorn's 400, in OpenAI's shape
         def send_400_response(self, msg: str) -> None:

@@ -30,7 +30,6 @@ import anyio
 import msgspec
 import uvicorn
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -38,14 +37,8 @@ from starlette.routing import Route
 from engine import openai_api as api
 from engine.access_log import redact_access_log
 from engine.async_engine import AsyncEngine
-from engine.errors import EngineClosed, FlashbatchError, InvalidRequest
-from engine.http_errors import (
-    ErrorBoundary,
-    HTTPError,
-    json_response,
-    planned_error,
-    unexpected_error,
-)
+from engine.errors import EngineClosed, InvalidRequest
+from engine.http_errors import ErrorBoundary, HTTPError, exception_handlers, json_response
 from engine.http_guard import guarded_protocol
 from metrics import HTTPMetrics
 
@@ -88,9 +81,8 @@ class FlashbatchServer:
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
-        handlers = {exc: planned_error for exc in (HTTPError, FlashbatchError, HTTPException)}
-        handlers[Exception] = unexpected_error
-        return Starlette(routes=routes, lifespan=self._lifespan, exception_handlers=handlers)
+        return Starlette(routes=routes, lifespan=self._lifespan,
+                         exception_handlers=exception_handlers())  # fmt: skip
 
     def asgi(self) -> ErrorBoundary:
         """What uvicorn serves: the app inside the boundary that nothing escapes."""

@@ -519,6 +519,8 @@ def test_second_signal_aborts_streams_with_a_final_chunk_and_exit_0(qwen3_target
                     )  # fmt: skip
                 )
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)
+                half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+                                  b"Content-Length: 100\r\n\r\n{")  # fmt: skip
                 s.process.send_signal(signal.SIGTERM)  # drain: the streams go on
                 await asyncio.sleep(1.0)
                 assert not any(t.done() for t in streams) and not answer.done()
@@ -534,7 +536,10 @@ def test_second_signal_aborts_streams_with_a_final_chunk_and_exit_0(qwen3_target
                 assert done.status_code == 200
                 assert done.json()["choices"][0]["finish_reason"] == "abort"
 
-        asyncio.run(scenario())
+        # A request still uploading when the signal comes is closed, not waited for.
+        with socket.create_connection(("127.0.0.1", s.port)) as half_body:
+            asyncio.run(scenario())
+            assert _read_until_closed(half_body) == b""
         assert s.process.wait(timeout=30) == 0
         s.log.seek(0)
         _assert_quiet_log(s.log.read())

@@ -9,9 +9,9 @@ and sends half a request (or a body that never ends) holds it for as long as it 
   and the connection is closed;
 - at most `max_connections` connections are open; one more is closed as soon as it is accepted.
 
-Each close is counted (`flashbatch_http_connections_closed_by_server_total{reason}`), not
-logged: a client must not be able to flood the log. A malformed request gets uvicorn's 400,
-in OpenAI's error shape.
+A request the HTTP parser rejects gets uvicorn's 400, in OpenAI's error shape, and its
+connection closes. Each close is counted (`flashbatch_http_connections_closed_by_server_total`
+by reason), not logged: a client must not be able to flood the log.
 """
 
 from __future__ import annotations
@@ -121,6 +121,7 @@ def guarded_protocol(
 
         # --- malformed requests: uvicorn's 400, in OpenAI's shape
         def send_400_response(self, msg: str) -> None:
+            on_close("malformed_request")
             body = msgspec.json.encode(
                 api.error_body(f"invalid HTTP request: {msg}", "invalid_request_error")
             )

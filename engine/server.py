@@ -35,11 +35,11 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from engine import openai_api as api
-from engine.access_log import redact_access_log
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineClosed, InvalidRequest
 from engine.http_errors import ErrorBoundary, HTTPError, exception_handlers, json_response
 from engine.http_guard import guarded_protocol
+from engine.http_logs import install_http_log_filters
 from metrics import HTTPMetrics
 
 log = logging.getLogger("flashbatch.server")
@@ -353,7 +353,7 @@ def serve(engine: AsyncEngine, settings: ServerSettings, host: str, port: int,
     config = uvicorn.Config(server_app.asgi(), host=host, port=port, loop=loop_impl,
                             http=protocol, log_level=log_level,
                             timeout_graceful_shutdown=5)  # fmt: skip
-    redact_access_log()  # after uvicorn.Config, which configures uvicorn's loggers
+    install_http_log_filters()  # after uvicorn.Config, which configures uvicorn's loggers
     server = DrainingServer(config, server_app)
     server.run()
     return 0 if server.started else 3  # 3: uvicorn's status for a failed start-up

@@ -14,7 +14,7 @@ from metrics.engine_metrics import PREFIX
 # or while an answer streams to it.
 DISCONNECT_PHASES = ("upload", "wait", "stream")
 # Why the server closed a connection itself.
-CLOSE_REASONS = ("read_timeout", "connection_limit")
+CLOSE_REASONS = ("read_timeout", "connection_limit", "malformed_request")
 
 
 class HTTPMetrics:
@@ -32,7 +32,7 @@ class HTTPMetrics:
         )
         self._closed = Counter(
             PREFIX + "http_connections_closed_by_server",
-            "Connections the server closed on a slow or surplus client, by reason.",
+            "Connections the server closed on a slow, surplus or malformed client, by reason.",
             labels + ["reason"],
             registry=registry,
         )

@@ -340,12 +340,23 @@ def test_malformed_request_gets_an_openai_error_and_the_server_carries_on(edge_s
     if status == 404 and case.raw is None and "model" not in (error["param"] or ""):
         assert case.method in error["message"]  # "Invalid URL (GET /nope)", as OpenAI words it
     _assert_still_serving(edge_server)
-    _assert_quiet_log(_log_since(edge_server, offset))
+    log = _log_since(edge_server, offset)
+    _assert_quiet_log(log)
+    assert "WARNING" not in log  # malformed HTTP is counted, not logged line by line
 
 
 def test_corpus_is_broad():
     assert len(CORPUS) >= 150
     assert len({c.name for c in CORPUS}) == len(CORPUS)
+
+
+def test_malformed_http_is_counted(edge_server):
+    name = "flashbatch_http_connections_closed_by_server_total"
+    before = _metric(edge_server.metrics(), name, reason="malformed_request")
+    status, _, body = _send_raw(edge_server, b"GARBAGE\r\n\r\n")
+    assert status == 400 and _assert_openai_error(body)
+    assert _wait_for(lambda: _metric(edge_server.metrics(), name, reason="malformed_request")
+                     == before + 1)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- clients leaving

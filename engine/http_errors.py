@@ -48,7 +48,7 @@ def json_response(body: Any, status: int = 200, headers: dict | None = None) -> 
 
 
 def error_response(error: HTTPError) -> Response:
-    body = api.error_body(str(error), error.kind, error.param, error.code)
+    body = api.error_body(str(error), error.kind, error.code, error.param)
     return json_response(body, error.status, error.headers)
 
 

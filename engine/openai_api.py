@@ -225,7 +225,7 @@ def usage_chunk(rid: str, model: str, created: int, chat: bool, output: Any) -> 
     }
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict:
     """OpenAI's error body; `code` is a machine-readable string where one applies, else null
     (OpenAI's own convention: never the HTTP status)."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -123,7 +123,7 @@ class FlashbatchServer:
         # An error body too: every non-2xx answer has OpenAI's shape.
         error = HTTPError(503, f"the server is {state}", "service_unavailable",
                           code="service_unavailable", headers={"Retry-After": "5"})  # fmt: skip
-        body = api.error_body(str(error), error.kind, None, error.code)
+        body = api.error_body(str(error), error.kind, error.code)
         return json_response({"status": state, **body}, 503, error.headers)
 
     async def metrics(self, request: Request) -> Response:

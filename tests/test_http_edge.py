@@ -345,6 +345,38 @@ def test_malformed_request_gets_an_openai_error_and_the_server_carries_on(edge_s
     assert "WARNING" not in log  # malformed HTTP is counted, not logged line by line
 
 
+EXTREME_BUT_VALID = [
+    {"top_k": 10**18},
+    {"top_k": -1},
+    {"num_speculative_tokens": 2**63},
+    {"temperature": 1e308},
+    {"temperature": 1e-300},
+    {"top_p": 1e-300},
+    {"min_p": 1.0},
+    {"seed": 2**63 - 1},
+    {"stop": ["a" * 10_000]},
+    {"stop": ["\u0000"]},
+    {"stop_token_ids": [0] * 5_000},
+    {"prompt": [0] * 4_000, "max_tokens": 1},
+    {"prompt": "\u0000\u0001\u007f"},
+    {"prompt": "\U0001f600" * 200},
+]
+
+
+@pytest.mark.parametrize("extra", EXTREME_BUT_VALID, ids=[str(e)[:40] for e in EXTREME_BUT_VALID])
+def test_extreme_but_valid_values_are_served(edge_server, extra):
+    """The other side of validation: what is valid, however odd, gets an answer, streamed too."""
+    offset = _log_size(edge_server)
+    body = {"prompt": "def f(", "max_tokens": 4, **extra}
+    url = edge_server.url + COMPLETIONS
+    done = httpx.post(url, json=body, headers=AUTH, timeout=60)
+    assert done.status_code == 200, done.text
+    assert done.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    streamed = httpx.post(url, json={**body, "stream": True}, headers=AUTH, timeout=60)
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+    _assert_quiet_log(_log_since(edge_server, offset))
+
+
 def test_corpus_is_broad():
     assert len(CORPUS) >= 150
     assert len({c.name for c in CORPUS}) == len(CORPUS)

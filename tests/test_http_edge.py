@@ -357,7 +357,7 @@ EXTREME_BUT_VALID = [
     {"stop": ["a" * 10_000]},
     {"stop": ["\u0000"]},
     {"stop_token_ids": [0] * 5_000},
-    {"prompt": [0] * 4_000, "max_tokens": 1},
+    {"prompt": [0] * 1_500, "max_tokens": 1},
     {"prompt": "\u0000\u0001\u007f"},
     {"prompt": "\U0001f600" * 200},
 ]

@@ -478,8 +478,9 @@ def test_metrics_carry_no_created_series(edge_server):
 # ----------------------------------------------------------------------------- slow clients
 @pytest.fixture(scope="module")
 def guarded_server(qwen3_target_dir):
-    s = ServerProcess(qwen3_target_dir, None, "--log-level", "info",
-                      "--request-read-timeout", "1", "--max-connections", "3")  # fmt: skip
+    # One setting by flag, one by environment variable: both ways are the documented ones.
+    s = ServerProcess(qwen3_target_dir, None, "--log-level", "info", "--request-read-timeout", "1",
+                      env={"FLASHBATCH_MAX_CONNECTIONS": "3"})  # fmt: skip
     yield s
     s.stop()
 

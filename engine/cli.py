@@ -179,9 +179,26 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_tokens_cap=args.max_tokens_cap,
         drain_timeout=args.drain_timeout,
+        read_timeout=args.request_read_timeout,
+        max_connections=args.max_connections,
     )
-    serve(AsyncEngine(config), settings, args.host, args.port, args.log_level)
-    return 0
+    return serve(AsyncEngine(config), settings, args.host, args.port, args.log_level)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every command's --help shows the defaults (the environment's, where one is set)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        # argparse shows a default only beside a help text: give bare options one.
+        shown = action.default is not None and action.default is not False
+        if not action.help and action.option_strings and shown:
+            action.help = "default: %(default)s"
+        return action
 
 
 TARGET_HELP = (
@@ -193,7 +210,7 @@ DRAFTER_HELP = "DFlash drafter directory (default: the named model's own, if any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashbatch", description=__doc__)
+    parser = _Parser(prog="flashbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser(
@@ -222,14 +239,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-speculative-tokens",
         type=int,
         default=_env("NUM_SPECULATIVE_TOKENS", None, int),
-        help="0 = drafting off",
+        help="unset: adaptive depth; a number: that fixed depth; 0: drafting off",
     )
     srv.add_argument(
         "--prefill-chunk-tokens", type=int, default=_env("PREFILL_CHUNK_TOKENS", 256, int)
     )
     srv.add_argument("--max-body-bytes", type=int, default=_env("MAX_BODY_BYTES", 1 << 20, int))
     srv.add_argument("--max-tokens-cap", type=int, default=_env("MAX_TOKENS_CAP", 4096, int))
-    srv.add_argument("--drain-timeout", type=float, default=_env("DRAIN_TIMEOUT", 30.0, float))
+    srv.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=_env("DRAIN_TIMEOUT", 30.0, float),
+        help="seconds in-flight requests may finish after SIGTERM (a second signal aborts them)",
+    )
+    srv.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=_env("REQUEST_READ_TIMEOUT", 30.0, float),
+        help="seconds a request's headers, then its body, may take to arrive (else closed / 408)",
+    )
+    srv.add_argument(
+        "--max-connections",
+        type=int,
+        default=_env("MAX_CONNECTIONS", 512, int),
+        help="open HTTP connections at most; one more is closed when accepted",
+    )
     srv.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
     srv.set_defaults(func=_serve)
 

@@ -8,7 +8,14 @@ class FlashbatchError(Exception):
 
 
 class InvalidRequest(FlashbatchError, ValueError):
-    """The request cannot be served as given (bad parameter, prompt too long, ...)."""
+    """The request cannot be served as given (bad parameter, prompt too long, ...).
+
+    `param` names the offending field where one is to blame; `code` is a machine-readable
+    reason where one applies (OpenAI's `context_length_exceeded`), else None."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class EngineOverloaded(FlashbatchError):

@@ -6,8 +6,10 @@ silently dropped (n > 1, logprobs, echo, batched prompts).
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
+from itertools import accumulate
 from typing import Any
 
 import msgspec
@@ -45,9 +47,14 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     echo: bool = False
 
 
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None  # typed here, so `"text": 123` is a 400 naming the field
+
+
 class ChatMessage(msgspec.Struct):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -56,13 +63,37 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
 
 
+# Deeper than any OpenAI request needs, far shallower than the parser's recursion limit (which
+# a ~1000-level array, even in an ignored field, would otherwise reach).
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: fast on long strings
+_BRACKET_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in _BRACKET_STEP)
+_ERROR_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def json_depth(body: bytes) -> int:
+    """The deepest nesting of arrays and objects in `body` (brackets inside strings ignored)."""
+    if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
+        return 0  # cannot be deeper than the bound: skip the scan (the common case)
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    return max(accumulate(_BRACKET_STEP[b] for b in brackets), default=0)
+
+
 def decode_request(body: bytes, kind: type) -> Any:
+    """Decode and type-check a request body; any failure is an InvalidRequest, never another
+    exception (a 400 with the offending field as `param` where msgspec names it)."""
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"the request nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"invalid request: {exc}") from None
+        path = _ERROR_PATH.search(str(exc))
+        raise InvalidRequest(f"invalid request: {exc}", param=path and path[1] or None) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # a backstop: the depth check above should always come first
+        raise InvalidRequest("the request nests too deeply") from None
 
 
 def sampling_params(request: _SamplingFields, max_tokens: int) -> SamplingParams:
@@ -91,27 +122,33 @@ def sampling_params(request: _SamplingFields, max_tokens: int) -> SamplingParams
 
 
 def single_prompt(prompt: Any) -> str | list[int]:
+    """A string, a list of token ids, or a one-element list holding either (unwrapped once)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
     if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
-    if isinstance(prompt, list) and len(prompt) == 1:
-        return single_prompt(prompt[0])
-    raise InvalidRequest("send one prompt per request (a string or a list of token ids)")
+    raise InvalidRequest(
+        "send one prompt per request (a string or a list of token ids)", param="prompt"
+    )
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     out = []
-    for message in messages:
+    for i, message in enumerate(messages):
         content = message.content
-        if isinstance(content, list):  # content parts: keep the text ones
-            texts = [p.get("text", "") for p in content if p.get("type") == "text"]
-            if len(texts) != len(content):
-                raise InvalidRequest("only text content parts are supported")
-            content = "".join(texts)
+        if isinstance(content, list):  # content parts: text ones only, joined
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise InvalidRequest(
+                        "only text content parts ({'type': 'text', 'text': '...'}) are supported",
+                        param=f"messages[{i}].content[{j}]",
+                    )
+            content = "".join(part.text for part in content)
         out.append({"role": message.role, "content": content or ""})
     if not out:
-        raise InvalidRequest("messages must not be empty")
+        raise InvalidRequest("messages must not be empty", param="messages")
     return out
 
 
@@ -188,5 +225,7 @@ def usage_chunk(rid: str, model: str, created: int, chat: bool, output: Any) -> 
     }
 
 
-def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
+def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict:
+    """OpenAI's error body; `code` is a machine-readable string where one applies, else null
+    (OpenAI's own convention: never the HTTP status)."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -55,48 +55,92 @@ def _find_openblas() -> str | None:
     return found
 
 
+# Substrings of the file names of optimized BLAS libraries (the reference one is `libblas`).
+_OPTIMIZED_BLAS_NAMES = ("openblas", "mkl", "blis", "armpl")
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]  # fmt: skip
+
+
+def _library_of(address: int) -> str | None:
+    """The file of the loaded library that holds `address` (dladdr)."""
+    try:
+        dladdr = ctypes.CDLL(None).dladdr  # glibc >= 2.34 has it in libc itself
+    except AttributeError:
+        dladdr = ctypes.CDLL(ctypes.util.find_library("dl")).dladdr
+    info = _DlInfo()
+    if not dladdr(ctypes.c_void_p(address), ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.path.realpath(os.fsdecode(info.dli_fname))
+
+
+def loaded_global_blas() -> str | None:
+    """The optimized BLAS whose `cblas_sgemm` the process's global symbol scope holds, if any.
+
+    MLX's own lookup of `cblas_sgemm` starts in that scope, so an OpenBLAS an embedding
+    application loaded there itself (RTLD_GLOBAL) serves MLX's matmuls as well as ours would.
+    A copy loaded privately (numpy's bundled one, say) is not in that scope and does not count.
+    """
+    try:
+        sgemm = ctypes.CDLL(None).cblas_sgemm
+    except (AttributeError, OSError):
+        return None
+    path = _library_of(ctypes.cast(sgemm, ctypes.c_void_p).value)
+    if path is None or not any(n in os.path.basename(path).lower() for n in _OPTIMIZED_BLAS_NAMES):
+        return None
+    return path
+
+
 def preload_fast_blas() -> BlasStatus:
     """Load an optimized BLAS before `mlx` is imported (Linux only). Idempotent."""
     global _status
     if _status is not None:
         return _status
+    _status = _preload()
+    if not _status.fast and sys.platform.startswith("linux"):
+        # Whatever our preload could or could not do, the process may hold one already.
+        loaded = loaded_global_blas()
+        if loaded is not None:
+            name = "openblas" if "openblas" in loaded.lower() else "optimized"
+            _status = BlasStatus(name, loaded, True, f"{loaded} was already loaded globally")
+    return _status
+
+
+def _preload() -> BlasStatus:
+    """Our own preload's outcome (the process may have an optimized BLAS regardless)."""
     setting = os.environ.get(BLAS_ENV_VAR, "auto").strip()
     if not sys.platform.startswith("linux"):
-        _status = BlasStatus(
+        return BlasStatus(
             "accelerate" if sys.platform == "darwin" else "not-applicable",
             None,
             True,
             "MLX uses the platform's own BLAS here",
         )
-        return _status
     if setting.lower() in ("off", "0", "false", "no"):
-        _status = BlasStatus("reference", None, False, f"preload disabled by {BLAS_ENV_VAR}=off")
-        return _status
+        return BlasStatus("reference", None, False, f"preload disabled by {BLAS_ENV_VAR}=off")
     if "mlx.core" in sys.modules:
-        _status = BlasStatus(
+        return BlasStatus(
             "reference",
             None,
             False,
             "mlx was imported before flashbatch could preload OpenBLAS; "
             "import engine (or drafters) before mlx",
         )
-        return _status
     path = setting if setting.lower() != "auto" else _find_openblas()
     if not path:
-        _status = BlasStatus(
+        return BlasStatus(
             "reference",
             None,
             False,
             "no OpenBLAS found (Debian/Ubuntu: apt-get install libopenblas0-pthread)",
         )
-        return _status
     try:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     except OSError as exc:
-        _status = BlasStatus("reference", path, False, f"could not load {path}: {exc}")
-        return _status
-    _status = BlasStatus("openblas", path, True, f"preloaded {path}")
-    return _status
+        return BlasStatus("reference", path, False, f"could not load {path}: {exc}")
+    return BlasStatus("openblas", path, True, f"preloaded {path}")
 
 
 def blas_status() -> BlasStatus:

@@ -3,11 +3,15 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (liveness),
 GET /ready (503 while loading or draining), GET /metrics (Prometheus).
 
-Errors use OpenAI's nested body `{"error": {message, type, param, code}}`: 400 validation and
-context overflow, 401 bad or missing API key, 404 unknown model, 413 body too large, 429 with
-Retry-After when the engine's queue is full, 503 while loading or draining. SIGTERM: readiness
-turns 503 and new requests get 503 while in-flight ones finish (up to the drain timeout); then
-the process exits. A client disconnect aborts its request in the engine.
+Every non-2xx answer is OpenAI's nested body `{"error": {message, type, param, code}}`
+(`engine/http_errors.py`): 400 validation and context overflow, 401 bad or missing API key,
+404 unknown model or path, 405 wrong method, 408 body too slow, 413 body too large, 429 with
+Retry-After when the engine's queue is full, 503 while loading or draining. A client disconnect
+aborts its request in the engine and is counted, not logged. Slow and surplus connections are
+bounded in `engine/http_guard.py`. SIGTERM/SIGINT: readiness turns 503 and new requests get 503
+while in-flight ones finish (up to the drain timeout), then the process exits with status 0; a
+second signal aborts the in-flight requests at once (each stream still ends with a final
+`finish_reason: "abort"` chunk and `[DONE]`); a third exits without waiting for connections.
 """
 
 from __future__ import annotations
@@ -26,13 +30,17 @@ import anyio
 import msgspec
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from engine import openai_api as api
 from engine.async_engine import AsyncEngine
-from engine.errors import EngineClosed, EngineOverloaded, InvalidRequest
+from engine.errors import EngineClosed, InvalidRequest
+from engine.http_errors import ErrorBoundary, HTTPError, exception_handlers, json_response
+from engine.http_guard import guarded_protocol
+from engine.http_logs import install_http_log_filters
+from metrics import HTTPMetrics
 
 log = logging.getLogger("flashbatch.server")
 
@@ -44,36 +52,13 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     max_tokens_cap: int = 4096  # the most tokens one request may ask for
     drain_timeout: float = 30.0
+    read_timeout: float = 30.0  # headers, then the body, must each arrive within this
+    max_connections: int = 512  # open connections; one more is closed when accepted
 
 
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None,
-                 param: str | None = None) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.kind, self.headers, self.param = status, kind, headers or {}, param
-
-
-def _json(body: Any, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(msgspec.json.encode(body), status, headers, media_type="application/json")
-
-
-def _error_response(error: HTTPError) -> Response:
-    return _json(api.error_body(str(error), error.kind, error.status, error.param), error.status,
-                 error.headers)  # fmt: skip
-
-
-def _translate(exc: Exception) -> HTTPError:
-    if isinstance(exc, HTTPError):
-        return exc
-    if isinstance(exc, InvalidRequest):
-        return HTTPError(400, str(exc), "invalid_request_error")
-    if isinstance(exc, EngineOverloaded):
-        retry = str(max(1, round(exc.retry_after)))
-        return HTTPError(429, str(exc), "server_overloaded", {"Retry-After": retry})
-    if isinstance(exc, EngineClosed):
-        return HTTPError(503, str(exc), "service_unavailable", {"Retry-After": "5"})
-    log.exception("internal error")
-    return HTTPError(500, "internal server error", "internal_error")
+def _client_left(phase: str) -> HTTPError:
+    # nginx's 499: never seen by the client, but it keeps the access log truthful.
+    return HTTPError(499, f"the client closed the connection ({phase})", "client_closed_request")
 
 
 class FlashbatchServer:
@@ -83,6 +68,7 @@ class FlashbatchServer:
         self.engine = engine
         self.settings = settings
         self.draining = False
+        self.http_metrics = HTTPMetrics(engine.model_name, engine.metrics.registry)
         self._load_task: asyncio.Task | None = None
 
     # ----------------------------------------------------------------- app
@@ -95,7 +81,12 @@ class FlashbatchServer:
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
-        return Starlette(routes=routes, lifespan=self._lifespan)
+        return Starlette(routes=routes, lifespan=self._lifespan,
+                         exception_handlers=exception_handlers())  # fmt: skip
+
+    def asgi(self) -> ErrorBoundary:
+        """What uvicorn serves: the app inside the boundary that nothing escapes."""
+        return ErrorBoundary(self.app())
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -110,30 +101,43 @@ class FlashbatchServer:
     async def drain(self) -> None:
         """Stop taking requests and let in-flight ones finish (up to the drain timeout)."""
         self.draining = True
+        if self._load_task is not None and not self._load_task.done():
+            return  # nothing is in flight yet; the lifespan's end stops the loading
         await self.engine.shutdown(drain_timeout=self.settings.drain_timeout)
+
+    def abort_in_flight(self) -> None:
+        """End every request now: each stream gets its final `abort` output, so clients see
+        a proper end (and the drain, waiting for them, finishes)."""
+        scheduler = self.engine.scheduler
+        for request_id in list(scheduler.requests) if scheduler is not None else []:
+            self.engine.abort(request_id)
 
     # ----------------------------------------------------------------- probes
     async def health(self, request: Request) -> Response:
-        return _json({"status": "ok"})
+        return json_response({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
         if self.engine.ready and not self.draining:
-            return _json({"status": "ready", "model": self.engine.model_name})
+            return json_response({"status": "ready", "model": self.engine.model_name})
         state = "draining" if self.draining else "loading"
-        return _json({"status": state}, 503, {"Retry-After": "5"})
+        # An error body too: every non-2xx answer has OpenAI's shape.
+        error = HTTPError(503, f"the server is {state}", "service_unavailable",
+                          code="service_unavailable", headers={"Retry-After": "5"})  # fmt: skip
+        body = api.error_body(str(error), error.kind, error.code)
+        return json_response({"status": state, **body}, 503, error.headers)
 
     async def metrics(self, request: Request) -> Response:
         if self.settings.protect_metrics and (error := self._auth_error(request)):
-            return _error_response(error)
+            raise error
         return Response(self.engine.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     async def models(self, request: Request) -> Response:
         if error := self._auth_error(request):
-            return _error_response(error)
+            raise error
         created = int(time.time())
         card = {"id": self.engine.model_name, "object": "model", "created": created,
                 "owned_by": "flashbatch"}  # fmt: skip
-        return _json({"object": "list", "data": [card]})
+        return json_response({"object": "list", "data": [card]})
 
     # ----------------------------------------------------------------- generation
     async def completions(self, request: Request) -> Response:
@@ -143,20 +147,18 @@ class FlashbatchServer:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
-        try:
-            if error := self._auth_error(request):
-                raise error
-            body = await self._read_body(request)
-            if self.draining or not self.engine.ready:
-                raise EngineClosed("the server is not ready (loading or draining); retry shortly")
-            kind = api.ChatCompletionRequest if chat else api.CompletionRequest
-            parsed = api.decode_request(body, kind)
-            self._check_model(parsed.model)
-            prompt, max_tokens = self._prompt(parsed, chat)
-            params = api.sampling_params(parsed, max_tokens)
-            request_id, stream = self.engine.add_request(prompt, params)
-        except Exception as exc:  # noqa: BLE001  (every failure becomes an OpenAI error body)
-            return _error_response(_translate(exc))
+        # Errors raised here become OpenAI error bodies in `engine/http_errors.py`.
+        if error := self._auth_error(request):
+            raise error
+        body = await self._read_body(request)
+        if self.draining or not self.engine.ready:
+            raise EngineClosed("the server is not ready (loading or draining); retry shortly")
+        kind = api.ChatCompletionRequest if chat else api.CompletionRequest
+        parsed = api.decode_request(body, kind)
+        self._check_model(parsed.model)
+        prompt, max_tokens = self._prompt(parsed, chat)
+        params = api.sampling_params(parsed, max_tokens)
+        request_id, stream = self.engine.add_request(prompt, params)
         rid = api.new_id("chatcmpl" if chat else "cmpl")
         outputs = self.engine.outputs(request_id, stream)
         if parsed.stream:
@@ -173,8 +175,15 @@ class FlashbatchServer:
             tokenizer = self.engine.tokenizer
             if not getattr(tokenizer, "chat_template", None):
                 raise InvalidRequest("this model has no chat template; use /v1/completions")
-            prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-            requested = parsed.max_completion_tokens or parsed.max_tokens
+            try:
+                prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            except Exception as exc:  # the template's own checks (roles, order) raise anything
+                raise InvalidRequest(f"the chat template rejected the messages: {exc}",
+                                     param="messages") from None  # fmt: skip
+            # max_completion_tokens (OpenAI's newer name) wins; 0 is a value, not "unset".
+            name = "max_completion_tokens" if parsed.max_completion_tokens is not None else (
+                "max_tokens")  # fmt: skip
+            requested = getattr(parsed, name)
             if requested is None:
                 room = self.engine.scheduler.limits.max_model_len - len(prompt)
                 requested = max(1, min(cap, room))
@@ -182,10 +191,13 @@ class FlashbatchServer:
             if parsed.echo:
                 raise InvalidRequest("echo is not supported by this server")
             prompt = api.single_prompt(parsed.prompt)
+            name = "max_tokens"
             requested = parsed.max_tokens if parsed.max_tokens is not None else 16
+        if requested < 1:
+            raise InvalidRequest(f"{name} must be at least 1, got {requested}", param=name)
         if requested > cap:
             raise InvalidRequest(
-                f"max_tokens {requested} exceeds this server's cap of {cap}",
+                f"{name} {requested} exceeds this server's cap of {cap}", param=name
             )
         return prompt, requested
 
@@ -203,6 +215,9 @@ class FlashbatchServer:
             if include_usage and last is not None:
                 yield _event(api.usage_chunk(rid, name, created, chat, last))
             yield b"data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            self.http_metrics.on_disconnect("stream")  # Starlette cancels us when it leaves
+            raise
         finally:
             await outputs.aclose()  # a disconnect cancels us here: abort the request now
 
@@ -230,8 +245,10 @@ class FlashbatchServer:
         finally:
             await outputs.aclose()
         if last is None or not last.finished:
-            return Response(status_code=499)  # the client went away (nginx's convention)
-        return _json(api.completion_body(rid, self.engine.model_name, "".join(texts), last, chat))
+            self.http_metrics.on_disconnect("wait")
+            raise _client_left("waiting for the answer")
+        body = api.completion_body(rid, self.engine.model_name, "".join(texts), last, chat)
+        return json_response(body)
 
     # ----------------------------------------------------------------- checks
     def _auth_error(self, request: Request) -> HTTPError | None:
@@ -242,27 +259,36 @@ class FlashbatchServer:
         scheme, _, supplied = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(supplied.encode(), key.encode()):
             return HTTPError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
-                             "authentication_error")  # fmt: skip
+                             "authentication_error", code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
         return None
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
+        # The rest of the body stays unread: close the connection after answering.
+        too_large = HTTPError(413, f"request body exceeds {limit} bytes", "invalid_request_error",
+                              code="request_too_large",
+                              headers={"Connection": "close"})  # fmt: skip
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise HTTPError(413, f"request body exceeds {limit} bytes", "invalid_request_error")
+            raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise HTTPError(413, f"request body exceeds {limit} bytes", "invalid_request_error")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:  # hung up mid-body: normal at an edge, counted, not logged
+            self.http_metrics.on_disconnect("upload")
+            raise _client_left("sending the body") from None
         return b"".join(chunks)
 
     def _check_model(self, model: str | None) -> None:
         if model not in (None, "", self.engine.model_name):
             served = self.engine.model_name
             message = f"the model {model!r} does not exist; this server serves {served!r}"
-            raise HTTPError(404, message, "not_found_error", param="model")
+            raise HTTPError(404, message, "not_found_error", code="model_not_found", param="model")
 
 
 def _event(body: dict) -> bytes:
@@ -276,25 +302,41 @@ def _log_load_failure(task: asyncio.Task) -> None:
 
 # ----------------------------------------------------------------------------- running
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, except that the first SIGTERM/SIGINT drains the engine (readiness and
-    new requests answer 503 meanwhile) before the usual shutdown; a second one exits at once."""
+    """uvicorn's server with flashbatch's shutdown. The first SIGTERM/SIGINT drains the engine
+    (readiness and new requests answer 503 meanwhile), then uvicorn shuts down; the second
+    aborts the in-flight requests, which ends the drain at once; a third stops waiting for
+    connections. Unlike uvicorn, the signal is not re-raised after the shutdown: a requested
+    shutdown that completed exits with status 0, which supervisors read as success."""
 
     def __init__(self, config: uvicorn.Config, server_app: FlashbatchServer) -> None:
         super().__init__(config)
         self.server_app = server_app
+        self._signals = 0
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.server_app.draining or sig not in (signal.SIGTERM, signal.SIGINT):
+        if sig not in (signal.SIGTERM, signal.SIGINT):
             return super().handle_exit(sig, frame)
-        self.server_app.draining = True  # /ready and new requests answer 503 from now on
-        timeout = self.server_app.settings.drain_timeout
-        log.info("signal %s: draining in-flight requests (up to %.0fs)", sig, timeout)
+        self._signals += 1
         # Signal handlers run between bytecodes: hand the work to the loop, waking it up.
-        self._loop.call_soon_threadsafe(self._start_drain, sig, frame)
+        if self._signals == 1:
+            self.server_app.draining = True  # /ready and new requests answer 503 from now on
+            timeout = self.server_app.settings.drain_timeout
+            log.info("signal %s: draining in-flight requests (up to %.0fs)", sig, timeout)
+            self._loop.call_soon_threadsafe(self._start_drain)
+        elif self._signals == 2:
+            log.info("signal %s again: aborting the in-flight requests", sig)
+            self._loop.call_soon_threadsafe(self.server_app.abort_in_flight)
+        else:
+            self.should_exit = self.force_exit = True
 
-    def _start_drain(self, sig: int, frame: Any) -> None:
+    def _start_drain(self) -> None:
         task = asyncio.get_running_loop().create_task(self.server_app.drain())
-        task.add_done_callback(lambda _: super(DrainingServer, self).handle_exit(sig, frame))
+        task.add_done_callback(self._drained)
+
+    def _drained(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("drain failed: %s", task.exception())
+        self.should_exit = True  # uvicorn's own shutdown follows
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -302,13 +344,19 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(engine: AsyncEngine, settings: ServerSettings, host: str, port: int,
-          log_level: str = "info") -> None:  # fmt: skip
-    """Run the server until a signal; see `DrainingServer`."""
+          log_level: str = "info") -> int:  # fmt: skip
+    """Run the server until a signal (see `DrainingServer`); return the exit status."""
     server_app = FlashbatchServer(engine, settings)
     loop_impl = "uvloop" if _has_uvloop() else "asyncio"
-    config = uvicorn.Config(server_app.app(), host=host, port=port, loop=loop_impl,
-                            log_level=log_level, timeout_graceful_shutdown=5)  # fmt: skip
-    DrainingServer(config, server_app).run()
+    protocol = guarded_protocol(settings.read_timeout, settings.max_connections,
+                                server_app.http_metrics.on_server_close)  # fmt: skip
+    config = uvicorn.Config(server_app.asgi(), host=host, port=port, loop=loop_impl,
+                            http=protocol, log_level=log_level,
+                            timeout_graceful_shutdown=5)  # fmt: skip
+    install_http_log_filters()  # after uvicorn.Config, which configures uvicorn's loggers
+    server = DrainingServer(config, server_app)
+    server.run()
+    return 0 if server.started else 3  # 3: uvicorn's status for a failed start-up
 
 
 def _has_uvloop() -> bool:

@@ -162,12 +162,30 @@ class EngineMetrics:
         self.request_generation_tokens.observe(request.generated)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """A registry view without the `_created` series prometheus_client adds to every counter
+    and histogram: noise to a scraper here. Filtering this view (not calling the process-wide
+    `disable_created_metrics()`) leaves an embedding application's own metrics as they are."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
 
 
 def _metric_names() -> list[str]:
-    """Every family name the engine exports (as Prometheus sees them, suffixes included)."""
+    """Every family name the engine and its HTTP server export (as Prometheus sees them,
+    suffixes included)."""
+    from metrics.http_metrics import HTTPMetrics  # it imports PREFIX from here
+
     metrics = EngineMetrics("probe")
+    HTTPMetrics("probe", metrics.registry)
     names = []
     for family in metrics.registry.collect():
         kind = family.type

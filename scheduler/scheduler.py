@@ -53,7 +53,8 @@ class Scheduler:
                 f"this model's maximum context length is {limit} tokens, but "
                 f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, "
                 f"{max_tokens} for the completion); "
-                "shorten the prompt or lower max_tokens"
+                "shorten the prompt or lower max_tokens",
+                code="context_length_exceeded",
             )
         if self.limits.bytes_per_token:
             need = (prompt_len + max_tokens) * self.limits.bytes_per_token

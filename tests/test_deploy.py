@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from metrics import METRIC_NAMES, EngineMetrics
+from metrics import METRIC_NAMES, EngineMetrics, HTTPMetrics
 
 yaml = pytest.importorskip("yaml")
 
@@ -88,6 +88,10 @@ PANELS = {
     ],
     "Batch size": [r"flashbatch_batch_size\{"],
     "MLX memory": [r"flashbatch_mlx_active_memory_bytes\{", r"flashbatch_mlx_peak_memory_bytes\{"],
+    "Client disconnects and server closes": [
+        r"sum by \(phase\) \(rate\(flashbatch_http_requests_client_disconnected_total\{",
+        r"sum by \(reason\) \(rate\(flashbatch_http_connections_closed_by_server_total\{",
+    ],
 }
 ALERT_NAMES = {
     "FlashbatchEngineDown",
@@ -690,7 +694,9 @@ def test_dashboard_queries_return_data_from_a_real_prometheus(tmp_path):
     if prometheus is None:
         pytest.skip("prometheus not installed (Debian package: prometheus)")
     model = "probe-model"
-    exporter = _Exporter(EngineMetrics(model))
+    engine_metrics = EngineMetrics(model)
+    HTTPMetrics(model, engine_metrics.registry).on_disconnect("stream")  # the server adds these
+    exporter = _Exporter(engine_metrics)
     port = _free_port()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},

@@ -11,13 +11,11 @@ import pytest
 
 from engine.platform import blas_status
 
-OPENBLAS_PRESENT = any(
-    os.path.exists(p)
-    for p in (
-        "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-        "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    )
+OPENBLAS_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
 )
+OPENBLAS_PRESENT = any(os.path.exists(p) for p in OPENBLAS_PATHS)
 
 
 def _status_in_fresh_process(code_before: str = "", env: dict | None = None) -> str:
@@ -53,3 +51,25 @@ def test_importing_mlx_first_is_detected():
     output = _status_in_fresh_process(code_before="import mlx.core")
     assert "STATUS reference False" in output
     assert "imported before" in output
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the preload is Linux-only")
+@pytest.mark.skipif(not OPENBLAS_PRESENT, reason="OpenBLAS is not installed here")
+def test_openblas_the_application_loaded_before_mlx_is_recognised():
+    """An embedding application that loads OpenBLAS globally itself, then mlx, then engine:
+    MLX's matmuls use that OpenBLAS, so no slow-BLAS warning (it used to assume the worst)."""
+    path = next(p for p in OPENBLAS_PATHS if os.path.exists(p))
+    loader = f"import ctypes; ctypes.CDLL({path!r}, mode=ctypes.RTLD_GLOBAL); import mlx.core"
+    output = _status_in_fresh_process(code_before=loader)
+    assert "STATUS openblas True" in output
+    assert "WARNING" not in output and "already loaded" in output
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the preload is Linux-only")
+@pytest.mark.skipif(not OPENBLAS_PRESENT, reason="OpenBLAS is not installed here")
+def test_openblas_loaded_privately_does_not_count():
+    """A copy loaded without global visibility is not where MLX looks: still the warning."""
+    path = next(p for p in OPENBLAS_PATHS if os.path.exists(p))
+    loader = f"import ctypes; ctypes.CDLL({path!r}, mode=ctypes.RTLD_LOCAL); import mlx.core"
+    output = _status_in_fresh_process(code_before=loader)
+    assert "STATUS reference False" in output and "WARNING" in output

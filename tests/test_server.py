@@ -136,7 +136,8 @@ def test_errors_use_the_openai_shape(server, body, status, needle):
     response = httpx.post(server.url + path, json=body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert needle in error["message"] and error["code"] == status and error["type"]
+    assert needle in error["message"] and error["type"]
+    assert error["code"] is None or isinstance(error["code"], str)  # OpenAI's: never a number
 
 
 def test_oversized_body_gets_413(server):
@@ -288,7 +289,8 @@ def test_sigterm_drains_in_flight_and_refuses_new_work(qwen3_target_dir):
                     assert finals[-1]["choices"][0]["finish_reason"] == "length"
 
         asyncio.run(scenario())
-        # uvicorn re-raises the captured SIGTERM once shut down, as process managers expect
-        assert s.process.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert s.process.wait(timeout=30) == 0  # a requested shutdown that completed: success
+        s.log.seek(0)
+        assert "Traceback" not in s.log.read()
     finally:
         s.stop()

@@ -1,0 +1,138 @@
+"""Bounds on slow and numerous clients, at the HTTP protocol level (uvicorn's h11 protocol).
+
+uvicorn closes idle keep-alive connections, but nothing else: a client that opens a connection
+and sends half a request (or a body that never ends) holds it for as long as it likes. Here:
+
+- a request's headers must arrive within `read_timeout` seconds of the connection opening (or
+  of the previous response on a kept-alive connection), else the connection is closed;
+- its body must arrive within `read_timeout` seconds after the headers, else a 408 answers it
+  and the connection is closed;
+- at most `max_connections` connections are open; one more is closed as soon as it is accepted.
+
+A request the HTTP parser rejects gets uvicorn's 400, in OpenAI's error shape, and its
+connection closes. Each close is counted (`flashbatch_http_connections_closed_by_server_total`
+by reason), not logged: a client must not be able to flood the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import h11
+import msgspec
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from engine import openai_api as api
+from engine.http_errors import HTTPError
+
+
+class RequestReadTimeout(HTTPError):
+    def __init__(self, seconds: float) -> None:
+        super().__init__(
+            408,
+            f"the request body did not arrive within {seconds:g} s",
+            "invalid_request_error",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        )
+
+
+def guarded_protocol(
+    read_timeout: float, max_connections: int, on_close: Callable[[str], None]
+) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with these bounds; `on_close(reason)` counts the closes."""
+
+    class GuardedH11Protocol(H11Protocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._inner_app = self.app
+            self.app = self._app_with_body_deadline
+            self._header_timer: asyncio.TimerHandle | None = None
+            self._reading_body = False
+
+        # --- connection count and header deadline
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                on_close("connection_limit")
+                transport.close()
+                return
+            self._arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_timer()
+            super().connection_lost(exc)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_header_timer()  # the next request's headers have the same bound
+
+        def shutdown(self) -> None:
+            # A request whose body is still arriving was never taken on: close it now rather
+            # than let uvicorn's graceful timeout cancel it (an ERROR line) later.
+            if self._reading_body and not self.transport.is_closing():
+                self.transport.close()
+                return
+            super().shutdown()
+
+        def _arm_header_timer(self) -> None:
+            self._disarm_header_timer()
+            self._header_timer = self.loop.call_later(read_timeout, self._headers_too_slow)
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                on_close("read_timeout")
+                self.transport.close()
+
+        # --- body deadline
+        async def _app_with_body_deadline(self, scope: Any, receive: Any, send: Any) -> None:
+            self._disarm_header_timer()  # the headers are in
+            deadline = anyio.current_time() + read_timeout
+            # True while part of the body is still on its way (not for a body already in).
+            self._reading_body = self.cycle is not None and self.cycle.more_body
+
+            async def receive_by_deadline() -> Any:
+                if not self._reading_body:
+                    return await receive()
+                with anyio.move_on_after(deadline - anyio.current_time()) as wait:
+                    message = await receive()
+                if wait.cancelled_caught:
+                    self._reading_body = False
+                    on_close("read_timeout")
+                    raise RequestReadTimeout(read_timeout)
+                more = message["type"] == "http.request" and message.get("more_body", False)
+                self._reading_body = more
+                return message
+
+            try:
+                await self._inner_app(scope, receive_by_deadline, send)
+            finally:
+                self._reading_body = False
+
+        # --- malformed requests: uvicorn's 400, in OpenAI's shape
+        def send_400_response(self, msg: str) -> None:
+            on_close("malformed_request")
+            body = msgspec.json.encode(
+                api.error_body(f"invalid HTTP request: {msg}", "invalid_request_error")
+            )
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                       (b"content-length", str(len(body)).encode())]  # fmt: skip
+            for event in (
+                h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                h11.Data(data=body),
+                h11.EndOfMessage(),
+            ):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
+    return GuardedH11Protocol

@@ -40,6 +40,12 @@ from scheduler.plan import Admission, RowOutcome, StepPlan, StepResult
 from scheduler.sources import DFLASH, LOOKUP
 
 
+def _allows(params: SamplingParams, source: str) -> bool:
+    """Whether a request may draft from `source` (a session it can never use is not opened:
+    it would only cost the drafter's catch-up writes)."""
+    return params.draft_sources is None or source in params.draft_sources
+
+
 @dataclass
 class _RowState:
     """A request's MLX-side state."""
@@ -388,7 +394,7 @@ class ModelRunner:
         for state, first_token in zip(states, first_tokens.values()):
             state.prefill_cache = None
             self.rows.append(state.request_id)
-            if self.drafter is not None:
+            if self.drafter is not None and _allows(state.params, DFLASH):
                 state.session = self.drafter.open(state.prompt_ids)
                 if state.prefill_features:
                     features = mx.concatenate(state.prefill_features, axis=0)
@@ -399,7 +405,7 @@ class ModelRunner:
 
     def _open_lookup(self, state: _RowState) -> None:
         """The row's lookup index over its prompt (constant work per token from here on)."""
-        if self.lookup is None:
+        if self.lookup is None or not _allows(state.params, LOOKUP):
             return
         state.lookup = self.lookup.open(state.prompt_ids)
         self.lookup.commit(state.lookup, None, state.prompt_ids)

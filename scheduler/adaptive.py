@@ -196,6 +196,7 @@ class AdaptiveDepthPolicy:
         self._last_width = 1
         self._active: set[str] = set()
         self._probes = 0
+        self._last_batch = 1
         self.last_choice: dict = {}  # explainability: what was chosen and why
         self.last_sources: dict[str, str] = {}
 
@@ -211,6 +212,7 @@ class AdaptiveDepthPolicy:
     ) -> tuple[dict[str, int], dict[str, str]]:
         """Every row's depth and, where it drafts, its source (see the module docstring)."""
         self.parked_reasons = {}
+        self._last_batch = max(1, len(requests))
         caps = {r.request_id: self._caps(r, options[r.request_id]) for r in requests}
         max_depth = max((c for cap in caps.values() for c in cap.values()), default=0)
         if not requests or max_depth == 0:
@@ -338,8 +340,12 @@ class AdaptiveDepthPolicy:
 
     def wants_lookup(self, request_id: str) -> bool:
         """Would a lookup match for this request likely be drafted? (The runner skips a
-        lookahead plain step when such a row gets a match.)"""
-        return self.lookup_acceptance.useful_depth(request_id) > 0
+        lookahead plain step when such a row gets a match.) Judged for the row alone at
+        depth 1: its expected extra token against widening the latest batch's verify."""
+        q = self.lookup_acceptance.estimate(request_id)[0]
+        batch = max(1, self._last_batch)
+        plain, wider = self.cost.predict(batch, 1), self.cost.predict(batch, 2)
+        return (batch + q) / batch > wider / plain
 
     def expects_plain_next(self) -> bool:
         """Parked now: the next step parks too unless a probe falls due (or the measured

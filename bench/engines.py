@@ -215,14 +215,15 @@ DEPTH_METRIC = "flashbatch_spec_decode_draft_depth"
 def depth_histogram(metrics: Any) -> dict[int, int]:
     """Request-steps per chosen draft depth, from the engine's `spec_decode_draft_depth`
     histogram (integer buckets 0..16, so bucket differences are exact counts)."""
-    cumulative = []
+    by_bound: dict[float, float] = {}  # summed over the `source` label
     for family in metrics.registry.collect():
         if family.name != DEPTH_METRIC:
             continue
         for sample in family.samples:
             if sample.name.endswith("_bucket"):
-                cumulative.append((float(sample.labels["le"]), sample.value))
-    cumulative.sort()
+                le = float(sample.labels["le"])
+                by_bound[le] = by_bound.get(le, 0.0) + sample.value
+    cumulative = sorted(by_bound.items())
     counts: dict[int, int] = {}
     previous = 0.0
     for i, (le, value) in enumerate(cumulative):

@@ -245,13 +245,14 @@ class FlashbatchEngine(BenchEngine):
         self.config = config
         self.engine: Any = None
         depth = config.num_speculative_tokens
+        sources = config.served_sources()
         self.description = (
             "AsyncEngine, drafting off"
-            if depth == 0 or not config.drafter
+            if depth == 0 or not sources
             else "AsyncEngine, adaptive draft depth"
             if depth is None
             else f"AsyncEngine, fixed draft depth {depth}"
-        )
+        ) + (f", drafts from {' and '.join(sources)}" if depth != 0 and sources else "")
 
     async def start(self) -> None:
         from engine.async_engine import AsyncEngine

@@ -225,11 +225,14 @@ class AdaptiveDepthPolicy:
             limit = min(limit, 0 if self.cost.samples == 0 else 1)
         # Price each width with DFlash allowed (drafter forward) and, when some row could
         # take it, once more without (lookup or plain rows only: no drafter forward).
-        scenarios = [True, False] if any(DFLASH in c for c in caps.values()) else [False]
+        gains = self._gains(requests, caps)
+        scenarios = [True] if any(DFLASH in g for g in gains.values()) else []
+        if any(LOOKUP in g for g in gains.values()) or not scenarios:
+            scenarios.append(False)
         best, best_rate, table = ({}, {}), -1.0, []
         for width in range(0, limit + 1):
             for allow_dflash in scenarios:
-                picks = self._picks_at(requests, caps, width, allow_dflash)
+                picks = self._picks_at(gains, width, allow_dflash)
                 expected = sum(e for _, _, e in picks.values())
                 depths = {rid: d for rid, (_, d, _) in picks.items()}
                 drafting = any(s == DFLASH and d for s, d, _ in picks.values())
@@ -300,22 +303,39 @@ class AdaptiveDepthPolicy:
                 caps[source] = cap
         return caps
 
-    def _picks_at(self, requests: list[Request], caps: dict[str, dict[str, int]], width: int,
+    def _gains(self, requests: list[Request], caps: dict[str, dict[str, int]]):
+        """Per row and usable source, expected committed tokens at depths 0..d_max (d_max:
+        the cap, or the useful depth if less), computed once per step, not once per width."""
+        gains: dict[str, dict[str, list[float]]] = {}
+        for r in requests:
+            rid, table = r.request_id, {}
+            for source, cap in caps[rid].items():
+                model = self.models[source]
+                d_max = min(cap, model.useful_depth(rid))
+                if d_max:
+                    q, chain, row = model.estimate(rid), 1.0, [1.0]
+                    for j in range(d_max):
+                        chain *= q[j]
+                        row.append(row[-1] + chain)
+                    table[source] = row
+            gains[rid] = table
+        return gains
+
+    @staticmethod
+    def _picks_at(gains: dict[str, dict[str, list[float]]], width: int,
                   allow_dflash: bool) -> dict[str, tuple[str | None, int, float]]:  # fmt: skip
         """Per row at this width: (source, depth, expected committed tokens) of its best
         source; lookup is tried first so that it wins ties (it costs no forward)."""
         picks = {}
-        for r in requests:
-            rid = r.request_id
+        for rid, table in gains.items():
             best: tuple[str | None, int, float] = (None, 0, 1.0)
             for source in (LOOKUP, DFLASH):
-                if source not in caps[rid] or (source == DFLASH and not allow_dflash):
+                row = table.get(source)
+                if row is None or (source == DFLASH and not allow_dflash):
                     continue
-                model = self.models[source]
-                depth = min(width, caps[rid][source], model.useful_depth(rid))
-                expected = model.expected_tokens(rid, depth) if depth else 1.0
-                if depth and expected > best[2]:
-                    best = (source, depth, expected)
+                depth = min(width, len(row) - 1)
+                if depth and row[depth] > best[2]:
+                    best = (source, depth, row[depth])
             picks[rid] = best
         return picks
 

@@ -311,7 +311,9 @@ class ModelRunner:
         if not depth_by_id.get(request_id, 0):
             return None
         source = source_by_id.get(request_id) or (DFLASH if self.drafter is not None else LOOKUP)
-        return source if source in self.source_depths else None
+        state = self.states[request_id]
+        has_session = state.session if source == DFLASH else state.lookup
+        return source if has_session is not None else None
 
     def _draft_matrix(self, states: list[_RowState], depths: list[int], drafting: list[int],
                       lookup_drafts: dict[int, list[int]], width: int) -> mx.array:  # fmt: skip

@@ -253,3 +253,65 @@ async def test_sampling_with_lookup_drafts_matches_plain_sampling(qwen3_target_d
     for position in (1, 2, 3):
         stat, dof = _chi_square([t[position] for t, _ in plain], [t[position] for t, _ in drafted])
         assert stat < _CHI2_CRITICAL[min(dof, 11) - 1], (position, stat, dof)
+
+
+class DraftWhenMatched:
+    """Depth 3 from one fixed source whenever the row's lookup index matches, else plain."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def choose(self, requests, max_depth):
+        raise AssertionError("the engine should ask choose_drafts")
+
+    def choose_drafts(self, requests, options: dict[str, DraftOptions]):
+        depths = {r.request_id: 3 if options[r.request_id].lookup_match else 0 for r in requests}
+        return depths, {rid: self.source for rid, d in depths.items() if d}
+
+    def observe(self, result) -> None:
+        pass
+
+
+class MirrorEngine(AsyncEngine):
+    """The DFlash slot holds a second lookup drafter (it implements the same `Drafter`
+    protocol), so "dflash" drafts are exactly the drafts lookup would propose."""
+
+    def _load(self):
+        from drafters.lookup import LookupDrafter
+        from engine import TargetAdapter
+        from engine.runner import ModelRunner
+
+        model, tokenizer = load_target_model(self.config.target)
+        runner = ModelRunner(TargetAdapter(model, [1]), LookupDrafter(2, 4, 7),
+                             lookup=LookupDrafter(2, 4, 7))  # fmt: skip
+        return runner, tokenizer
+
+
+async def test_seeded_sampling_is_unchanged_by_the_drafting_source(qwen3_target_dir):
+    """The same drafts reaching the verify from the DFlash slot or from lookup give the same
+    seeded samples: the source changes where drafts come from, nothing else."""
+    model, _ = load_target_model(qwen3_target_dir)
+    start = [5, 17, 99]
+    prompt = start + plain_greedy(model, start, 8)  # ends in a run lookup continues (above)
+    outputs = {}
+    for source in (LOOKUP, DFLASH):
+        config = EngineConfig(target=str(qwen3_target_dir), max_num_seqs=16)
+        async with MirrorEngine(config, depth_policy=DraftWhenMatched(source)) as engine:
+            failures = check_invariants(engine)
+
+            async def one(seed: int):
+                params = SamplingParams(max_tokens=16, temperature=1.0, top_k=2, seed=seed,
+                                        ignore_eos=True)  # fmt: skip
+                tokens, last = [], None
+                async for out in engine.generate(prompt, params):
+                    tokens += out.token_ids
+                    last = out
+                return tokens, last
+
+            results = await asyncio.gather(*[one(seed) for seed in range(32)])
+        assert not failures, failures[:5]
+        outputs[source] = [tokens for tokens, _ in results]
+        assert all(set(last.drafted_by_source) <= {source} for _, last in results)
+        accepted = sum(last.accepted_by_source.get(source, 0) for _, last in results)
+        assert accepted > 10
+    assert outputs[LOOKUP] == outputs[DFLASH]

@@ -315,3 +315,48 @@ async def test_seeded_sampling_is_unchanged_by_the_drafting_source(qwen3_target_
         accepted = sum(last.accepted_by_source.get(source, 0) for _, last in results)
         assert accepted > 10
     assert outputs[LOOKUP] == outputs[DFLASH]
+
+
+class PlainPolicy:
+    """Never drafts and always expects a plain next step; `wants` answers `wants_lookup`."""
+
+    def __init__(self, wants: bool) -> None:
+        self.wants = wants
+
+    def choose(self, requests, max_depth):
+        return {r.request_id: 0 for r in requests}
+
+    def observe(self, result) -> None:
+        pass
+
+    def expects_plain_next(self) -> bool:
+        return True
+
+    def wants_lookup(self, request_id: str) -> bool:
+        return self.wants
+
+
+async def test_no_lookahead_while_a_row_that_would_take_lookup_has_a_match(
+    qwen3_target_dir, vocab_size
+):
+    """A looked-ahead plain step is wasted when the next plan drafts: the runner launches none
+    after a step that leaves a row the policy would give lookup drafts with a match, and
+    launches them as before when the policy would not."""
+    prompt = repetitive_prompt(1, vocab_size, unit=2, times=6)
+    model, _ = load_target_model(qwen3_target_dir)
+    launched, matched = {}, {}
+    for wants in (True, False):
+        config = EngineConfig(target=str(qwen3_target_dir), max_num_seqs=2)
+        async with AsyncEngine(config, depth_policy=PlainPolicy(wants)) as engine:
+            runner = engine._runner
+            launched[wants], matched[wants] = [], []
+            original = runner._launch_lookahead
+            runner._launch_lookahead = lambda w=wants, f=original: launched[w].append(1) or f()
+            engine.step_hooks.append(
+                lambda r, w=wants: matched[w].append(any(r.lookup_matches.values()))
+            )
+            results = await run_all(engine, [("w", prompt, 24, None, 0)])
+        assert results[0][0] == plain_greedy(model, prompt, 24)
+    assert matched[True] == matched[False] and sum(matched[True]) >= 2
+    assert len(launched[True]) <= matched[True].count(False)
+    assert len(launched[False]) >= len(launched[True]) + sum(matched[True]) - 1

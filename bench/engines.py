@@ -215,14 +215,15 @@ DEPTH_METRIC = "flashbatch_spec_decode_draft_depth"
 def depth_histogram(metrics: Any) -> dict[int, int]:
     """Request-steps per chosen draft depth, from the engine's `spec_decode_draft_depth`
     histogram (integer buckets 0..16, so bucket differences are exact counts)."""
-    cumulative = []
+    by_bound: dict[float, float] = {}  # summed over the `source` label
     for family in metrics.registry.collect():
         if family.name != DEPTH_METRIC:
             continue
         for sample in family.samples:
             if sample.name.endswith("_bucket"):
-                cumulative.append((float(sample.labels["le"]), sample.value))
-    cumulative.sort()
+                le = float(sample.labels["le"])
+                by_bound[le] = by_bound.get(le, 0.0) + sample.value
+    cumulative = sorted(by_bound.items())
     counts: dict[int, int] = {}
     previous = 0.0
     for i, (le, value) in enumerate(cumulative):
@@ -244,13 +245,14 @@ class FlashbatchEngine(BenchEngine):
         self.config = config
         self.engine: Any = None
         depth = config.num_speculative_tokens
+        sources = config.served_sources()
         self.description = (
             "AsyncEngine, drafting off"
-            if depth == 0 or not config.drafter
+            if depth == 0 or not sources
             else "AsyncEngine, adaptive draft depth"
             if depth is None
             else f"AsyncEngine, fixed draft depth {depth}"
-        )
+        ) + (f", drafts from {' and '.join(sources)}" if depth != 0 and sources else "")
 
     async def start(self) -> None:
         from engine.async_engine import AsyncEngine

@@ -134,7 +134,22 @@ def cell_prompts(
 
 
 # ----------------------------------------------------------------------------- engines
+def split_policy(policy: str) -> tuple[str, list[str] | None]:
+    """`<depth policy>[@<sources>]`: `adaptive@lookup`, `3@dflash`, `adaptive@dflash+lookup`;
+    no `@`: the engine's default sources (both with a DFlash drafter, else lookup)."""
+    from scheduler.sources import parse_sources
+
+    depth, _, sources = policy.partition("@")
+    if not sources:
+        return depth, None
+    try:
+        return depth, parse_sources(sources.replace("+", ","))
+    except ValueError as exc:
+        raise ValueError(f"bad policy {policy!r}: {exc}") from None
+
+
 def policy_depth(policy: str) -> int | None:
+    policy, _ = split_policy(policy)
     if policy == "adaptive":
         return None
     if policy == "off":
@@ -145,8 +160,14 @@ def policy_depth(policy: str) -> int | None:
     return depth
 
 
+def policy_sources(policy: str) -> list[str] | None:
+    return split_policy(policy)[1]
+
+
 def policy_name(policy: str) -> str:
-    return "flashbatch " + (policy if policy in ("off", "adaptive") else f"d={policy}")
+    depth, sources = split_policy(policy)
+    name = "flashbatch " + (depth if depth in ("off", "adaptive") else f"d={depth}")
+    return name + (f" {'+'.join(sources) or 'none'}" if sources is not None else "")
 
 
 def _vocab_size(model: Any) -> int | None:
@@ -198,9 +219,9 @@ def build_engines(cfg: SuiteConfig) -> tuple[Any, list[BenchEngine]]:
             engines.append(UnavailableEngine(name, "mlx-lm", _error(exc), True, what))
     if "flashbatch" in cfg.engines:
         for policy in cfg.policies:
-            depth = policy_depth(policy)
+            depth, sources = policy_depth(policy), policy_sources(policy)
             name = policy_name(policy)
-            if depth != 0 and not cfg.drafter:
+            if depth != 0 and not cfg.drafter and sources is not None and "dflash" in sources:
                 reason = "not available: no DFlash drafter (pass --drafter)"
                 what = f"AsyncEngine, {'adaptive' if depth is None else 'fixed'} draft depth"
                 engines.append(UnavailableEngine(name, "flashbatch", reason, False, what))
@@ -208,7 +229,7 @@ def build_engines(cfg: SuiteConfig) -> tuple[Any, list[BenchEngine]]:
             config = EngineConfig(
                 target=str(cfg.target), drafter=str(cfg.drafter) if cfg.drafter else None,
                 max_num_seqs=max(cfg.concurrency), max_waiting_requests=100_000,
-                num_speculative_tokens=depth,
+                num_speculative_tokens=depth, draft_sources=sources,
             )  # fmt: skip
             engines.append(FlashbatchEngine(name, config))
     return tokenizer, engines
@@ -507,7 +528,10 @@ def config_from_args(args: Any) -> SuiteConfig:
         try:
             policy_depth(policy)
         except ValueError:
-            raise SystemExit(f"bad policy {policy!r}: off, adaptive or a depth >= 0") from None
+            raise SystemExit(
+                f"bad policy {policy!r}: off, adaptive or a depth >= 0, optionally "
+                "@dflash, @lookup or @dflash+lookup"
+            ) from None
     if not cfg.concurrency or min(cfg.concurrency) < 1 or cfg.rounds < 1 or cfg.requests < 1:
         raise SystemExit("concurrency, rounds and requests must be >= 1")
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")

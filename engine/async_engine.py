@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from drafters.lookup import LookupDrafter
 from engine.config import EngineConfig
 from engine.errors import EngineClosed, InvalidRequest
 from engine.models.resolve import display_name
@@ -33,6 +34,7 @@ from scheduler.depth import DepthPolicy, FixedDepthPolicy
 from scheduler.plan import StepResult
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler, SchedulerLimits
+from scheduler.sources import DFLASH, LOOKUP
 
 log = logging.getLogger("flashbatch.engine")
 
@@ -50,6 +52,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     drafted_tokens: int = 0  # speculation stats so far
     accepted_tokens: int = 0
     verify_steps: int = 0
+    drafted_by_source: dict[str, int] = msgspec.field(default_factory=dict)  # "dflash", "lookup"
+    accepted_by_source: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 def _log_failure(future: Any) -> None:
@@ -114,7 +118,9 @@ class AsyncEngine:
                 if self._runner.max_depth:
                     profile = await loop.run_in_executor(self._executor, self._runner.profile)
                     self._policy.seed(profile)
-        self.scheduler = Scheduler(limits, self._policy, self._runner.max_depth)
+        self.scheduler = Scheduler(
+            limits, self._policy, self._runner.max_depth, self._runner.source_depths
+        )
         self._accepting = True
         self._loop_task = asyncio.create_task(self._run(), name="flashbatch-scheduler")
 
@@ -124,9 +130,25 @@ class AsyncEngine:
         from engine.runner import ModelRunner
 
         report_blas(log)
-        pair = load_pair(self.config.target, self.config.drafter)
-        runner = ModelRunner(pair.target, pair.drafter, profile_phases=self.config.profile_phases)
+        sources = self.config.served_sources()
+        drafter = self.config.drafter if DFLASH in sources else None  # lookup only: no taps
+        pair = load_pair(self.config.target, drafter)
+        runner = ModelRunner(pair.target, pair.drafter, profile_phases=self.config.profile_phases,
+                             lookup=self._lookup_drafter(sources))  # fmt: skip
+        log.info("draft sources: %s", ", ".join(sources) or "none")
         return runner, pair.tokenizer
+
+    def _lookup_drafter(self, sources: Sequence[str]) -> LookupDrafter | None:
+        if LOOKUP not in sources:
+            return None
+        config = self.config
+        return LookupDrafter(config.lookup_min_ngram, config.lookup_max_ngram,
+                             config.lookup_max_depth)  # fmt: skip
+
+    @property
+    def draft_sources(self) -> tuple[str, ...]:
+        """The draft sources this engine serves (after loading)."""
+        return tuple(self._runner.source_depths) if self._runner is not None else ()
 
     async def shutdown(self, drain_timeout: float | None = 0.0) -> None:
         """Stop accepting requests; let in-flight ones finish for up to `drain_timeout`
@@ -173,6 +195,12 @@ class AsyncEngine:
             raise EngineClosed("the engine is not accepting requests (starting or shutting down)")
         params = params or SamplingParams()
         params.validate(self._runner.target.vocab_size)
+        missing = [s for s in params.draft_sources or [] if s not in self.draft_sources]
+        if missing:
+            raise InvalidRequest(
+                f"draft_sources {missing} are not served here (this engine drafts from "
+                f"{list(self.draft_sources)})"
+            )
         if isinstance(prompt, str):
             prompt_ids = list(self.tokenizer.encode(prompt))
         else:
@@ -318,6 +346,8 @@ class AsyncEngine:
             drafted_tokens=request.drafted,
             accepted_tokens=request.accepted,
             verify_steps=request.verify_steps,
+            drafted_by_source=dict(request.drafted_by),
+            accepted_by_source=dict(request.accepted_by),
         )
         try:
             stream.send_nowait(output)

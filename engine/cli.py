@@ -144,6 +144,15 @@ def _flag(value: str) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
+def _sources(value: str) -> list[str] | None:
+    from scheduler.sources import parse_sources
+
+    try:
+        return parse_sources(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _env(name: str, default: Any = None, kind: type = str) -> Any:
     value = os.environ.get(f"FLASHBATCH_{name}")
     return default if value in (None, "") else kind(value)
@@ -172,6 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         num_speculative_tokens=args.num_speculative_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
+        draft_sources=args.draft_sources,
     )
     settings = ServerSettings(
         api_key=args.api_key,
@@ -240,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=_env("NUM_SPECULATIVE_TOKENS", None, int),
         help="unset: adaptive depth; a number: that fixed depth; 0: drafting off",
+    )
+    srv.add_argument(
+        "--draft-sources",
+        type=_sources,
+        default=_env("DRAFT_SOURCES", None, _sources),
+        help="dflash,lookup | dflash | lookup | none (default: both with a drafter, else lookup)",
     )
     srv.add_argument(
         "--prefill-chunk-tokens", type=int, default=_env("PREFILL_CHUNK_TOKENS", 256, int)

@@ -20,6 +20,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # None: the adaptive depth controller; a number: that fixed depth for everyone (0 = off)
     num_speculative_tokens: int | None = None
     profile_phases: bool = False  # time draft and verify apart (costs one extra sync per step)
+    # Draft sources served: "dflash" (needs `drafter`) and/or "lookup" (n-gram lookup over each
+    # request's prompt and output, no forward). None: both where a drafter is given, lookup
+    # otherwise; []: no drafting.
+    draft_sources: list[str] | None = None
+    lookup_min_ngram: int = 2  # shortest suffix a lookup match may use
+    lookup_max_ngram: int = 4  # longest suffix tried first
+    lookup_max_depth: int = 15  # most draft tokens one lookup proposal holds
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -28,3 +35,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("prefill_chunk_tokens must be >= 1")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
+        if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram:
+            raise ValueError("need 1 <= lookup_min_ngram <= lookup_max_ngram")
+        if self.lookup_max_depth < 1:
+            raise ValueError("lookup_max_depth must be >= 1")
+        self.served_sources()  # unknown names, or dflash without a drafter, fail here
+
+    def served_sources(self) -> tuple[str, ...]:
+        """The draft sources this configuration serves (see `draft_sources`)."""
+        from scheduler.sources import engine_sources, parse_sources
+
+        return engine_sources(parse_sources(self.draft_sources), self.drafter is not None)

@@ -16,6 +16,7 @@ import msgspec
 
 from engine.errors import InvalidRequest
 from engine.sampling import SamplingParams
+from scheduler.sources import parse_sources
 
 
 class StreamOptions(msgspec.Struct):
@@ -38,6 +39,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     top_logprobs: int | None = None
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None  # extension: per-request draft cap (0 = off)
+    draft_sources: list[str] | None = None  # extension: "dflash", "lookup" ([] = no drafting)
     user: str | None = None
 
 
@@ -117,8 +119,16 @@ def sampling_params(request: _SamplingFields, max_tokens: int) -> SamplingParams
         stop_token_ids=list(request.stop_token_ids or []),
         ignore_eos=request.ignore_eos,
         num_speculative_tokens=request.num_speculative_tokens,
+        draft_sources=_draft_sources(request.draft_sources),
     )
     return params
+
+
+def _draft_sources(names: list[str] | None) -> list[str] | None:
+    try:
+        return parse_sources(names)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def single_prompt(prompt: Any) -> str | list[int]:
@@ -165,11 +175,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def speculation(output: Any) -> dict[str, int]:
+def speculation(output: Any) -> dict[str, Any]:
+    """The `flashbatch` object: speculation totals and, per draft source, what it drafted
+    and what was accepted (so a client sees which drafter did the work)."""
+    drafted, accepted = output.drafted_by_source, output.accepted_by_source
     return {
         "drafted_tokens": output.drafted_tokens,
         "accepted_tokens": output.accepted_tokens,
         "verify_steps": output.verify_steps,
+        "sources": {
+            source: {"drafted_tokens": drafted[source], "accepted_tokens": accepted.get(source, 0)}
+            for source in sorted(drafted)
+        },
     }
 
 

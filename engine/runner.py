@@ -16,6 +16,12 @@ Everything MLX lives here and is touched only from the engine's single MLX threa
    (lengths only) and computes anew.
 
 With every depth 0 the step is plain batched decoding: no drafter forward at all.
+
+Draft sources: each drafting row takes its drafts from its DFlash session or from prompt
+lookup (the plan says which). Only DFlash rows enter the drafter forward; lookup drafts are
+copied from the row's own tokens on the host; all rows share the one verify forward. Every
+committed position reaches both of a row's sessions whichever source proposed it, so a row
+can switch sources at any step.
 """
 
 from __future__ import annotations
@@ -26,10 +32,18 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from drafters.base import Drafter, DraftSession
+from drafters.lookup import LookupDrafter, LookupSession
 from engine.kv_cache import RaggedKVCache
 from engine.sampling import SamplingParams, request_key, sample
 from engine.target import TargetAdapter
 from scheduler.plan import Admission, RowOutcome, StepPlan, StepResult
+from scheduler.sources import DFLASH, LOOKUP
+
+
+def _allows(params: SamplingParams, source: str) -> bool:
+    """Whether a request may draft from `source` (a session it can never use is not opened:
+    it would only cost the drafter's catch-up writes)."""
+    return params.draft_sources is None or source in params.draft_sources
 
 
 @dataclass
@@ -42,6 +56,8 @@ class _RowState:
     key: mx.array | None
     anchor: int = -1  # last committed token, not yet in the target cache
     session: DraftSession | None = None
+    lookup: LookupSession | None = None
+    lookup_match: int = 0  # longest earlier match of the suffix ending at the anchor
     prefill_cache: list[RaggedKVCache] | None = None
     prefill_features: list[mx.array] = field(default_factory=list)
 
@@ -61,7 +77,9 @@ class _Decode:
     targets: mx.array  # [B, width + 1]
     accepted: mx.array  # [B]
     features: mx.array | None
-    drafted_rows: int
+    drafted_rows: int  # rows in the drafter forward
+    sources: list[str | None] = field(default_factory=list)  # per row (None: no drafts)
+    lookup_rows: int = 0
 
 
 @dataclass
@@ -84,6 +102,7 @@ class _Lookahead:
         d.targets, d.accepted = d.targets[index], d.accepted[index]
         d.features = None if d.features is None else d.features[index]
         d.depths = [0] * len(rows)
+        d.sources = [None] * len(rows)
         self.rows = list(rows)
 
 
@@ -91,10 +110,15 @@ class ModelRunner:
     """Owns the batched target cache (one row per decoding request) and the drafter."""
 
     def __init__(
-        self, target: TargetAdapter, drafter: Drafter | None = None, profile_phases: bool = False
+        self,
+        target: TargetAdapter,
+        drafter: Drafter | None = None,
+        profile_phases: bool = False,
+        lookup: LookupDrafter | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
+        self.lookup = lookup
         # Profiling adds a host sync after the draft forward to time it apart from the verify.
         self.profile_phases = profile_phases
         self._draft_seconds = 0.0
@@ -104,8 +128,18 @@ class ModelRunner:
         self._lookahead: _Lookahead | None = None
 
     @property
+    def source_depths(self) -> dict[str, int]:
+        """The draft sources this runner serves and the most one proposal of each holds."""
+        depths = {}
+        if self.drafter is not None:
+            depths[DFLASH] = self.drafter.max_depth
+        if self.lookup is not None:
+            depths[LOOKUP] = self.lookup.max_depth
+        return depths
+
+    @property
     def max_depth(self) -> int:
-        return self.drafter.max_depth if self.drafter is not None else 0
+        return max(self.source_depths.values(), default=0)
 
     # ----------------------------------------------------------------- the step
     def execute(self, plan: StepPlan) -> StepResult:
@@ -144,7 +178,7 @@ class ModelRunner:
         elif lookahead is not None:
             self._discard(lookahead)
         if decode is None and self.rows:
-            decode = self._decode(plan.depths)
+            decode = self._decode(plan.depths, plan.sources)
 
         # The step's one host synchronisation.
         mx.eval(
@@ -159,7 +193,8 @@ class ModelRunner:
             self._commit(decode, result)
         result.first_tokens = {r: int(token.item()) for r, token in first_tokens.items()}
         self._join(result.first_tokens)
-        if plan.lookahead and self.rows:
+        result.lookup_matches = {r: self.states[r].lookup_match for r in self.rows}
+        if plan.lookahead and self.rows and not self._lookup_due(plan.lookup_watch):
             self._lookahead = self._launch_lookahead()
         result.kv_bytes = self.kv_bytes
         finished = time.perf_counter()
@@ -201,6 +236,11 @@ class ModelRunner:
             )[0]
 
     # ----------------------------------------------------------------- lookahead
+    def _lookup_due(self, watched: set[str]) -> bool:
+        """A watched row now has a lookup match: the next step will likely draft, so a
+        looked-ahead plain step would be thrown away."""
+        return any(self.states[r].lookup_match for r in watched if r in self.states)
+
     def _launch_lookahead(self) -> _Lookahead:
         """Start the next plain decode step of every row now (after this step's joins)."""
         started = time.perf_counter()
@@ -228,39 +268,77 @@ class ModelRunner:
             self.states[request_id].key = lookahead.keys[request_id]
 
     # ----------------------------------------------------------------- decode
-    def _decode(self, depth_by_id: dict[str, int]) -> _Decode:
+    def _decode(
+        self, depth_by_id: dict[str, int], source_by_id: dict[str, str] | None = None
+    ) -> _Decode:
         states = [self.states[r] for r in self.rows]
-        depths = [min(depth_by_id.get(r, 0), self.max_depth) for r in self.rows]
+        sources = [self._row_source(r, depth_by_id, source_by_id or {}) for r in self.rows]
+        depths = [
+            min(depth_by_id.get(r, 0), self.source_depths[s]) if s else 0
+            for r, s in zip(self.rows, sources)
+        ]
+        lookup_drafts = {}
+        for i, source in enumerate(sources):
+            if source == LOOKUP:
+                drafts = self.lookup.draft(states[i].lookup, states[i].anchor, depths[i])
+                lookup_drafts[i] = drafts
+                depths[i] = len(drafts)  # no match after all: the row verifies plainly
+                sources[i] = LOOKUP if drafts else None
         width = max(depths)
         anchors = mx.array([[s.anchor] for s in states], dtype=mx.int32)
-        drafting = [i for i, d in enumerate(depths) if d > 0]
-        if drafting:
-            candidates = self.drafter.propose(
-                [states[i].session for i in drafting],
-                [states[i].anchor for i in drafting],
-                [depths[i] for i in drafting],
-            )
-            drafts = candidates.tokens[:, :width]
-            if self.profile_phases:
-                draft_started = time.perf_counter()
-                mx.eval(drafts)
-                self._draft_seconds = time.perf_counter() - draft_started
-            if len(drafting) < len(states):  # rows that do not draft carry padding
-                full = mx.zeros((len(states), width), dtype=mx.int32)
-                full[mx.array(drafting)] = drafts
-                drafts = full
+        drafting = [i for i, d in enumerate(depths) if d > 0 and sources[i] == DFLASH]
+        if width:
+            drafts = self._draft_matrix(states, depths, drafting, lookup_drafts, width)
             verify_ids = mx.concatenate([anchors, drafts], axis=1)
         else:
             verify_ids = anchors
         logits, features = self.target(verify_ids, self.cache)
         targets = self._sample_rows(logits, states)
-        if drafting:
+        if width:
             in_depth = mx.arange(width)[None, :] < mx.array(depths)[:, None]
             matches = (drafts == targets[:, :width]) & in_depth
             accepted = mx.cumprod(matches.astype(mx.int32), axis=1).sum(axis=1)
         else:
             accepted = mx.zeros((len(states),), dtype=mx.int32)
-        return _Decode(depths, width, targets, accepted, features, len(drafting))
+        return _Decode(depths, width, targets, accepted, features, len(drafting),
+                       sources, len(lookup_drafts))  # fmt: skip
+
+    def _row_source(
+        self, request_id: str, depth_by_id: dict[str, int], source_by_id: dict[str, str]
+    ) -> str | None:
+        """Where a row's drafts come from this step (None: it does not draft). A plan that
+        names no source (a policy that picks depths only) means DFlash where there is one."""
+        if not depth_by_id.get(request_id, 0):
+            return None
+        source = source_by_id.get(request_id) or (DFLASH if self.drafter is not None else LOOKUP)
+        state = self.states[request_id]
+        has_session = state.session if source == DFLASH else state.lookup
+        return source if has_session is not None else None
+
+    def _draft_matrix(self, states: list[_RowState], depths: list[int], drafting: list[int],
+                      lookup_drafts: dict[int, list[int]], width: int) -> mx.array:  # fmt: skip
+        """[B, width] draft tokens: DFlash rows from one batched drafter forward (only those
+        rows), lookup rows from the host, padding elsewhere (masked out by depth)."""
+        rows = [lookup_drafts.get(i, []) for i in range(len(states))]
+        host = mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)
+        if not drafting:
+            return host
+        candidates = self.drafter.propose(
+            [states[i].session for i in drafting],
+            [states[i].anchor for i in drafting],
+            [depths[i] for i in drafting],
+        )
+        drafted = candidates.tokens[:, :width]
+        if drafted.shape[1] < width:  # lookup rows drafted deeper than any DFlash row
+            drafted = mx.pad(drafted, [(0, 0), (0, width - drafted.shape[1])])
+        if self.profile_phases:
+            draft_started = time.perf_counter()
+            mx.eval(drafted)
+            self._draft_seconds = time.perf_counter() - draft_started
+        if len(drafting) == len(states):
+            return drafted
+        host[mx.array(drafting)] = drafted
+        return host
 
     def _sample_rows(self, logits: mx.array, states: list[_RowState]) -> mx.array:
         """Every verify row sampled with its request's own sampler: [B, W, V] -> [B, W]."""
@@ -279,14 +357,22 @@ class ModelRunner:
             state = self.states[request_id]
             a = accepted[i]
             committed = targets[i][: a + 1]
+            source = decode.sources[i] if decode.sources else None
+            # Both sessions see every committed position, whichever source proposed it.
+            cached = [state.anchor] + committed[:a]  # positions now in the target cache
             if state.session is not None:
-                cached = [state.anchor] + committed[:a]  # positions now in the target cache
                 self.drafter.commit(state.session, decode.features[i, : a + 1], cached)
             state.anchor = committed[-1]
-            result.outcomes[request_id] = RowOutcome(committed, decode.depths[i], a)
+            if state.lookup is not None:
+                self.lookup.commit(state.lookup, None, cached)
+                if source == LOOKUP:
+                    self.lookup.record(state.lookup, decode.depths[i], a)
+                state.lookup_match = self.lookup.match_length(state.lookup, state.anchor)
+            result.outcomes[request_id] = RowOutcome(committed, decode.depths[i], a, source)
         result.batch_size = len(self.rows)
         result.verify_tokens = len(self.rows) * (decode.width + 1)
         result.drafted_rows = decode.drafted_rows
+        result.lookup_rows = decode.lookup_rows
 
     # ----------------------------------------------------------------- membership
     def _admit(self, admission: Admission) -> None:
@@ -310,13 +396,22 @@ class ModelRunner:
         for state, first_token in zip(states, first_tokens.values()):
             state.prefill_cache = None
             self.rows.append(state.request_id)
-            if self.drafter is not None:
+            if self.drafter is not None and _allows(state.params, DFLASH):
                 state.session = self.drafter.open(state.prompt_ids)
                 if state.prefill_features:
                     features = mx.concatenate(state.prefill_features, axis=0)
                     self.drafter.commit(state.session, features, state.prompt_ids)
             state.prefill_features = []
             state.anchor = first_token
+            self._open_lookup(state)
+
+    def _open_lookup(self, state: _RowState) -> None:
+        """The row's lookup index over its prompt (constant work per token from here on)."""
+        if self.lookup is None or not _allows(state.params, LOOKUP):
+            return
+        state.lookup = self.lookup.open(state.prompt_ids)
+        self.lookup.commit(state.lookup, None, state.prompt_ids)
+        state.lookup_match = self.lookup.match_length(state.lookup, state.anchor)
 
     def _remove(self, request_ids: list[str]) -> None:
         """Finished or aborted requests leave: one filter (copy) per layer for all of them."""
@@ -328,6 +423,8 @@ class ModelRunner:
             leaving.add(request_id)
             if state.session is not None:
                 self.drafter.close(state.session)
+            if state.lookup is not None:
+                self.lookup.close(state.lookup)
         keep = [i for i, r in enumerate(self.rows) if r not in leaving]
         if len(keep) < len(self.rows):
             for layer_cache in self.cache:
@@ -378,6 +475,10 @@ class ModelRunner:
             return {}
         ahead = 1 if self._lookahead is not None else 0
         return {r: n - ahead for r, n in zip(self.rows, self.cache[0].lengths)}
+
+    def lookup_sessions(self) -> dict[str, LookupSession]:
+        """Every decoding row's lookup session (for statistics and checks)."""
+        return {r: self.states[r].lookup for r in self.rows if self.states[r].lookup is not None}
 
     def draft_rows(self) -> dict[str, tuple[int, int]]:
         """(context rows, pending rows) of every decoding row's draft session."""

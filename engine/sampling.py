@@ -15,6 +15,7 @@ import mlx.core as mx
 import msgspec
 
 from engine.errors import InvalidRequest
+from scheduler.sources import ALL_SOURCES
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -30,6 +31,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None  # per-request draft cap; None = automatic, 0 = off
+    # Where this request may take drafts from ("dflash", "lookup"); None = all the engine
+    # serves, [] = no drafting.
+    draft_sources: list[str] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -55,6 +59,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise InvalidRequest(
                 f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}"
             )
+        if self.draft_sources is not None:
+            unknown = [s for s in self.draft_sources if s not in ALL_SOURCES]
+            if unknown:
+                raise InvalidRequest(
+                    f"unknown draft_sources {unknown}: choose from {list(ALL_SOURCES)}"
+                )
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
+from scheduler.sources import DFLASH, NO_SOURCE
+
 PREFIX = "flashbatch_"
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -80,10 +82,15 @@ class EngineMetrics:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request.", TOKEN_COUNT_BUCKETS
         )
-        self.spec_num_drafts = counter("spec_decode_num_drafts", "Verify steps with drafts.")
-        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens.")
-        self.spec_num_accepted_tokens = counter(
-            "spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        # `source`: the drafter that proposed ("dflash", "lookup"); sum over it for totals.
+        self._spec_num_drafts = counter(
+            "spec_decode_num_drafts", "Verify steps with drafts, by draft source.", ["source"]
+        )
+        self._spec_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens, by draft source.", ["source"]
+        )
+        self._spec_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted, by draft source.", ["source"]
         )
         self._spec_accepted_per_pos = counter(
             "spec_decode_num_accepted_tokens_per_pos",
@@ -91,8 +98,11 @@ class EngineMetrics:
             ["position"],
         )
         # --- beyond vLLM
-        self.draft_depth = histogram(
-            "spec_decode_draft_depth", "Chosen verify depth per request-step.", DEPTH_BUCKETS
+        self._draft_depth = histogram(
+            "spec_decode_draft_depth",
+            "Chosen verify depth per request-step, by draft source (none: depth 0).",
+            DEPTH_BUCKETS,
+            ["source"],
         )
         self._parked_steps = counter(
             "spec_decode_parked_steps",
@@ -122,11 +132,12 @@ class EngineMetrics:
             self.batch_size_hist.observe(result.batch_size)
         self.prompt_tokens.inc(result.prefill_tokens)
         for outcome in result.outcomes.values():
-            self.draft_depth.observe(outcome.drafted)
+            source = (outcome.source or DFLASH) if outcome.drafted else NO_SOURCE
+            self._draft_depth.labels(self.model_name, source).observe(outcome.drafted)
             if outcome.drafted:
-                self.spec_num_drafts.inc()
-                self.spec_num_draft_tokens.inc(outcome.drafted)
-                self.spec_num_accepted_tokens.inc(outcome.accepted)
+                self._spec_num_drafts.labels(self.model_name, source).inc()
+                self._spec_num_draft_tokens.labels(self.model_name, source).inc(outcome.drafted)
+                self._spec_num_accepted_tokens.labels(self.model_name, source).inc(outcome.accepted)
                 for position in range(1, outcome.accepted + 1):
                     self._spec_accepted_per_pos.labels(self.model_name, str(position)).inc()
         for reason in parked.values():

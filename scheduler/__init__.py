@@ -1,4 +1,2 @@
-"""Continuous batching: request lifecycle, admission, step planning, depth policy.
-
-Arrives with the engine-core issue; nothing here yet.
-"""
+"""Continuous batching: request lifecycle, admission, step planning, depth policies and the
+choice of draft source per row (`scheduler.sources`)."""

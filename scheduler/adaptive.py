@@ -18,6 +18,12 @@
 - **Exploration and recovery.** Until the cost of a width has been seen the controller climbs
   one position at a time from the widest measured one. While parked it probes at depth 1 with
   exponential backoff (4, 8, ... 512 steps), so acceptance that returns is noticed.
+- **Draft sources.** A row may draft from DFlash or from prompt lookup (`scheduler.sources`);
+  acceptance is modelled per request *and per source* (one `AcceptanceModel` each). At each
+  width every row takes the source with the most expected tokens, and each width is priced
+  twice: with DFlash allowed (the drafter forward's cost curve, if any row takes it) and
+  without (lookup drafts cost no forward, only verify positions). Ties go to lookup. Probes
+  rotate through a row's usable sources, so a source that lost a request is tried again.
 """
 
 from __future__ import annotations
@@ -28,8 +34,11 @@ from dataclasses import dataclass, field
 from scheduler.depth import request_cap
 from scheduler.plan import StepResult
 from scheduler.request import Request
+from scheduler.sources import DFLASH, LOOKUP, DraftOptions
 
 PRIOR_ACCEPTANCE = 0.6  # before anything is observed
+# Lookup drafts are right far more often than chance only on copy-heavy text: a lower start.
+LOOKUP_PRIOR_ACCEPTANCE = 0.5
 MIN_MARGINAL = 0.02  # a draft position is useless once its acceptance chance falls below this
 PROBE_START, PROBE_MAX = 4, 512
 
@@ -43,10 +52,11 @@ class AcceptanceModel:
     prior_alpha: float = 0.02  # the shared prior moves slowly
     prior: list[float] = field(default_factory=list)
     per_request: dict[str, list[float]] = field(default_factory=dict)
+    initial: float = PRIOR_ACCEPTANCE
 
     def __post_init__(self) -> None:
         if not self.prior:
-            self.prior = [PRIOR_ACCEPTANCE] * self.max_depth
+            self.prior = [self.initial] * self.max_depth
 
     def estimate(self, request_id: str) -> list[float]:
         return self.per_request.get(request_id, self.prior)
@@ -174,7 +184,9 @@ class AdaptiveDepthPolicy:
 
     def __init__(self, max_depth: int = 15, warmup_steps: int = 3) -> None:
         self.max_depth = max_depth
-        self.acceptance = AcceptanceModel(max_depth)
+        self.acceptance = AcceptanceModel(max_depth)  # DFlash's
+        self.lookup_acceptance = AcceptanceModel(max_depth, initial=LOOKUP_PRIOR_ACCEPTANCE)
+        self.models = {DFLASH: self.acceptance, LOOKUP: self.lookup_acceptance}
         self.cost = CostModel()
         self.warmup_steps = warmup_steps
         self.parked_reasons: dict[str, str] = {}
@@ -183,55 +195,79 @@ class AdaptiveDepthPolicy:
         self._probing = False
         self._last_width = 1
         self._active: set[str] = set()
+        self._probes = 0
+        self._last_batch = 1
         self.last_choice: dict = {}  # explainability: what was chosen and why
+        self.last_sources: dict[str, str] = {}
 
     # ----------------------------------------------------------------- DepthPolicy
     def choose(self, requests: list[Request], max_depth: int) -> dict[str, int]:
-        max_depth = min(max_depth, self.max_depth)
+        """Depths when DFlash is the only source (the plain `DepthPolicy` interface)."""
+        options = DraftOptions((DFLASH,), 0, {DFLASH: max_depth}) if max_depth else DraftOptions(())
+        depths, _ = self.choose_drafts(requests, {r.request_id: options for r in requests})
+        return depths
+
+    def choose_drafts(
+        self, requests: list[Request], options: dict[str, DraftOptions]
+    ) -> tuple[dict[str, int], dict[str, str]]:
+        """Every row's depth and, where it drafts, its source (see the module docstring)."""
         self.parked_reasons = {}
+        self._last_batch = max(1, len(requests))
+        caps = {r.request_id: self._caps(r, options[r.request_id]) for r in requests}
+        max_depth = max((c for cap in caps.values() for c in cap.values()), default=0)
         if not requests or max_depth == 0:
-            return {r.request_id: 0 for r in requests}
-        caps = {r.request_id: self._cap(r, max_depth) for r in requests}
+            self.last_sources = {}
+            return {r.request_id: 0 for r in requests}, {}
         batch = len(requests)
         frontier = max(self.cost.widths_seen, default=0) - 1  # widest depth measured
         limit = min(max_depth, frontier + 1)  # climb one position beyond what is known
         if self.cost.samples < self.warmup_steps:
             limit = min(limit, 0 if self.cost.samples == 0 else 1)
-        best_width, best_rate, table = 0, -1.0, []
+        # Price each width with DFlash allowed (drafter forward) and, when some row could
+        # take it, once more without (lookup or plain rows only: no drafter forward).
+        gains = self._gains(requests, caps)
+        scenarios = [True] if any(DFLASH in g for g in gains.values()) else []
+        if any(LOOKUP in g for g in gains.values()) or not scenarios:
+            scenarios.append(False)
+        best, best_rate, table = ({}, {}), -1.0, []
         for width in range(0, limit + 1):
-            depths = self._depths_at(requests, caps, width)
-            expected = sum(
-                self.acceptance.expected_tokens(r.request_id, depths[r.request_id])
-                for r in requests
-            )
-            drafting = any(depths.values())
-            real_width = max(depths.values(), default=0)
-            cost = self.cost.predict(batch, real_width + 1, 0, drafting)
-            rate = expected / cost
-            table.append((width, expected, cost))
-            if rate > best_rate * 1.0001:
-                best_width, best_rate = width, rate
+            for allow_dflash in scenarios:
+                picks = self._picks_at(gains, width, allow_dflash)
+                expected = sum(e for _, _, e in picks.values())
+                depths = {rid: d for rid, (_, d, _) in picks.items()}
+                drafting = any(s == DFLASH and d for s, d, _ in picks.values())
+                real_width = max(depths.values(), default=0)
+                cost = self.cost.predict(batch, real_width + 1, 0, drafting)
+                rate = expected / cost
+                table.append((width, expected, cost, drafting))
+                if rate > best_rate * 1.0001:
+                    sources = {rid: s for rid, (s, d, _) in picks.items() if d}
+                    best, best_rate = (depths, sources), rate
+        choice, sources = best
+        best_width = max(choice.values(), default=0)
         exploring = limit < max_depth and best_width == limit and limit > 0
-        choice = self._depths_at(requests, caps, best_width)
         if not any(choice.values()):
-            choice = self._park_or_probe(requests, caps, reason="not_worth_it")
+            choice, sources = self._park_or_probe(requests, caps, reason="not_worth_it")
         else:
             self._steps_parked = 0
             if not self._probing:
                 self._probe_interval = PROBE_START
+        self.last_sources = dict(sources)
         self.last_choice = {
             "width": max(choice.values(), default=0),
             "exploring": exploring,
             "candidates": table,
             "depths": dict(choice),
+            "sources": dict(sources),
         }
-        return choice
+        return choice, sources
 
     def observe(self, result: StepResult) -> None:
         for request_id, outcome in result.outcomes.items():
             self._active.add(request_id)
             if outcome.drafted:
-                self.acceptance.observe(request_id, outcome.drafted, outcome.accepted)
+                model = self.models.get(outcome.source or DFLASH, self.acceptance)
+                model.observe(request_id, outcome.drafted, outcome.accepted)
         if result.batch_size:
             width = result.verify_tokens // result.batch_size
             seconds = result.forward_seconds or result.step_seconds
@@ -248,7 +284,8 @@ class AdaptiveDepthPolicy:
                 self._probe_interval = min(PROBE_MAX, self._probe_interval * 2)
         finished = self._active - set(result.outcomes)
         for request_id in finished:
-            self.acceptance.forget(request_id)
+            for model in self.models.values():
+                model.forget(request_id)
         self._active = set(result.outcomes)
 
     # ----------------------------------------------------------------- internals
@@ -257,22 +294,78 @@ class AdaptiveDepthPolicy:
         remaining = request.params.max_tokens - request.generated
         return max(0, min(request_cap(request, max_depth), remaining - 1))
 
-    def _depths_at(self, requests: list[Request], caps: dict[str, int], width: int):
-        return {
-            r.request_id: min(width, caps[r.request_id], self.acceptance.useful_depth(r.request_id))
-            for r in requests
-        }
+    def _caps(self, request: Request, options: DraftOptions) -> dict[str, int]:
+        """Per usable source, the most this request may draft from it now (0s left out)."""
+        caps = {}
+        for source in options.sources:
+            cap = self._cap(request, min(self.max_depth, options.depth_limit(source)))
+            if cap > 0:
+                caps[source] = cap
+        return caps
 
-    def _park_or_probe(self, requests: list[Request], caps: dict[str, int], reason: str):
+    def _gains(self, requests: list[Request], caps: dict[str, dict[str, int]]):
+        """Per row and usable source, expected committed tokens at depths 0..d_max (d_max:
+        the cap, or the useful depth if less), computed once per step, not once per width."""
+        gains: dict[str, dict[str, list[float]]] = {}
+        for r in requests:
+            rid, table = r.request_id, {}
+            for source, cap in caps[rid].items():
+                model = self.models[source]
+                d_max = min(cap, model.useful_depth(rid))
+                if d_max:
+                    q, chain, row = model.estimate(rid), 1.0, [1.0]
+                    for j in range(d_max):
+                        chain *= q[j]
+                        row.append(row[-1] + chain)
+                    table[source] = row
+            gains[rid] = table
+        return gains
+
+    @staticmethod
+    def _picks_at(gains: dict[str, dict[str, list[float]]], width: int,
+                  allow_dflash: bool) -> dict[str, tuple[str | None, int, float]]:  # fmt: skip
+        """Per row at this width: (source, depth, expected committed tokens) of its best
+        source; lookup is tried first so that it wins ties (it costs no forward)."""
+        picks = {}
+        for rid, table in gains.items():
+            best: tuple[str | None, int, float] = (None, 0, 1.0)
+            for source in (LOOKUP, DFLASH):
+                row = table.get(source)
+                if row is None or (source == DFLASH and not allow_dflash):
+                    continue
+                depth = min(width, len(row) - 1)
+                if depth and row[depth] > best[2]:
+                    best = (source, depth, row[depth])
+            picks[rid] = best
+        return picks
+
+    def _park_or_probe(self, requests: list[Request], caps: dict[str, dict[str, int]],
+                       reason: str) -> tuple[dict[str, int], dict[str, str]]:  # fmt: skip
         self._steps_parked += 1
         if self._steps_parked % self._probe_interval == 0:
             self._probing = True
-            return {r.request_id: min(1, caps[r.request_id]) for r in requests}
+            self._probes += 1
+            depths, sources = {}, {}
+            for r in requests:
+                usable = [s for s in (DFLASH, LOOKUP) if s in caps[r.request_id]]
+                depths[r.request_id] = 1 if usable else 0
+                if usable:  # rotate, so every source gets probed again in time
+                    sources[r.request_id] = usable[self._probes % len(usable)]
+            return depths, sources
         for r in requests:
-            self.parked_reasons[r.request_id] = (
-                "low_acceptance" if self.acceptance.useful_depth(r.request_id) == 0 else reason
-            )
-        return {r.request_id: 0 for r in requests}
+            rid = r.request_id
+            useless = all(self.models[s].useful_depth(rid) == 0 for s in caps[rid])
+            self.parked_reasons[rid] = "low_acceptance" if useless else reason
+        return {r.request_id: 0 for r in requests}, {}
+
+    def wants_lookup(self, request_id: str) -> bool:
+        """Would a lookup match for this request likely be drafted? (The runner skips a
+        lookahead plain step when such a row gets a match.) Judged for the row alone at
+        depth 1: its expected extra token against widening the latest batch's verify."""
+        q = self.lookup_acceptance.estimate(request_id)[0]
+        batch = max(1, self._last_batch)
+        plain, wider = self.cost.predict(batch, 1), self.cost.predict(batch, 2)
+        return (batch + q) / batch > wider / plain
 
     def expects_plain_next(self) -> bool:
         """Parked now: the next step parks too unless a probe falls due (or the measured
@@ -288,6 +381,7 @@ class AdaptiveDepthPolicy:
         """Inspectable state: prior, cost coefficients, last choice, probe cadence."""
         return {
             "prior": [round(p, 3) for p in self.acceptance.prior],
+            "lookup_prior": [round(p, 3) for p in self.lookup_acceptance.prior],
             "cost_plain": {
                 round(CostCurve.center(b)): round(v, 5)
                 for b, v in sorted(self.cost.plain.mean.items())

@@ -24,6 +24,11 @@ class DepthPolicy(Protocol):
     # Optional: ``expects_plain_next() -> bool``, asked after a step whose depths were all 0:
     # True when the next step will most likely be plain too (the runner may then launch it
     # early). Policies without it never get a lookahead (unless there is no drafter).
+    #
+    # Optional: ``choose_drafts(requests, options) -> (depths, sources)`` picks each row's draft
+    # source too (`scheduler.sources.DraftOptions` per request id); without it the scheduler
+    # asks `choose` and gives each drafting row lookup when it matches, else DFlash.
+    # Optional: ``wants_lookup(request_id) -> bool``: would a lookup match be drafted?
 
 
 def request_cap(request: Request, max_depth: int) -> int:
@@ -48,3 +53,6 @@ class FixedDepthPolicy:
 
     def expects_plain_next(self) -> bool:
         return self.num_speculative_tokens == 0
+
+    def wants_lookup(self, request_id: str) -> bool:
+        return self.num_speculative_tokens != 0

@@ -36,9 +36,14 @@ class StepPlan:
     admissions: list[Admission] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     depths: dict[str, int] = field(default_factory=dict)  # every decoding request's verify depth
+    # Where each drafting row (depth > 0) takes its drafts from: "dflash" or "lookup".
+    sources: dict[str, str] = field(default_factory=dict)
     # The scheduler expects the next step to be plain decoding for every row, so the runner
     # may launch it early (a hint: a wrong guess costs one forward, never correctness).
     lookahead: bool = False
+    # Rows the policy would draft for by lookup as soon as their suffix matches: the runner
+    # launches no lookahead when one of them has a match after this step.
+    lookup_watch: set[str] = field(default_factory=set)
 
     @property
     def empty(self) -> bool:
@@ -52,6 +57,7 @@ class RowOutcome:
     tokens: list[int]
     drafted: int
     accepted: int
+    source: str | None = None  # where the drafts came from (None: no drafts)
 
 
 @dataclass
@@ -60,7 +66,10 @@ class StepResult:
     outcomes: dict[str, RowOutcome] = field(default_factory=dict)
     batch_size: int = 0  # decoding rows this step
     verify_tokens: int = 0  # rows x verify width actually run through the target
-    drafted_rows: int = 0  # rows that drafted (0: the plain decode path ran)
+    drafted_rows: int = 0  # rows in the drafter forward (0: no drafter forward ran)
+    lookup_rows: int = 0  # rows verifying lookup drafts (no forward of their own)
+    # Every decoding row's lookup match length for its next step (0: no match).
+    lookup_matches: dict[str, int] = field(default_factory=dict)
     prefill_tokens: int = 0
     step_seconds: float = 0.0
     forward_seconds: float = 0.0  # drafter + target + sampling up to the sync (the cost model's)

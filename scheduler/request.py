@@ -30,6 +30,9 @@ class Request:
     drafted: int = 0
     accepted: int = 0
     verify_steps: int = 0
+    drafted_by: dict[str, int] = field(default_factory=dict)  # per draft source
+    accepted_by: dict[str, int] = field(default_factory=dict)
+    lookup_match: int = 0  # the latest step's lookup match length (for the next plan)
     # timestamps (time.monotonic) for metrics
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None

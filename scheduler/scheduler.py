@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.errors import EngineOverloaded, InvalidRequest
 from scheduler.depth import DepthPolicy
 from scheduler.plan import Admission, PrefillChunk, StepPlan, StepResult
 from scheduler.request import Request, RequestStatus
+from scheduler.sources import (
+    DFLASH,
+    LOOKUP,
+    DraftOptions,
+    allowed_sources,
+    fallback_source,
+    row_options,
+)
 
 
 @dataclass
@@ -29,10 +38,22 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, policy: DepthPolicy, max_depth: int) -> None:
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        policy: DepthPolicy,
+        max_depth: int,
+        source_depths: dict[str, int] | None = None,
+    ) -> None:
         self.limits = limits
         self.policy = policy
         self.max_depth = max_depth
+        # The draft sources served and the most one proposal of each holds (default: DFlash
+        # alone, at max_depth).
+        if source_depths is None:
+            source_depths = {DFLASH: max_depth} if max_depth else {}
+        self.source_depths = dict(source_depths)
+        self.sources: Sequence[str] = tuple(self.source_depths)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
@@ -126,15 +147,18 @@ class Scheduler:
             request.prefilled = end
         self.last_parked = {}
         if self.running:
-            chosen = self.policy.choose(self.running, self.max_depth)
+            options = {r.request_id: self._options(r) for r in self.running}
+            chosen, sources = self._choose(options)
             for request in self.running:
+                rid = request.request_id
                 remaining = request.params.max_tokens - request.generated
-                depth = max(0, min(chosen[request.request_id], remaining - 1))
-                plan.depths[request.request_id] = depth
-                if depth == 0:
-                    self.last_parked[request.request_id] = self._parked_reason(
-                        request, chosen[request.request_id]
-                    )
+                depth = max(0, min(chosen[rid], remaining - 1))
+                plan.depths[rid] = depth
+                if depth:
+                    plan.sources[rid] = sources[rid]
+                else:
+                    self.last_parked[rid] = self._parked_reason(request, chosen[rid], options[rid])
+            plan.lookup_watch = self._lookup_watch()
         self.last_depths = dict(plan.depths)
         plan.lookahead = (
             not any(plan.depths.values())
@@ -142,6 +166,40 @@ class Scheduler:
             and self._expects_plain_next()
         )
         return plan
+
+    def _options(self, request: Request) -> DraftOptions:
+        allowed = allowed_sources(request.params.draft_sources, self.sources)
+        return row_options(allowed, request.lookup_match, self.source_depths)
+
+    def _choose(self, options: dict[str, DraftOptions]) -> tuple[dict[str, int], dict[str, str]]:
+        """Depth and source per running request: the policy's own choice when it picks
+        sources, else its depths with the fallback source (lookup when it matches)."""
+        choose_drafts = getattr(self.policy, "choose_drafts", None)
+        if choose_drafts is not None:
+            return choose_drafts(self.running, options)
+        chosen = self.policy.choose(self.running, self.max_depth)
+        depths, sources = {}, {}
+        for request in self.running:
+            rid = request.request_id
+            source = fallback_source(options[rid])
+            depth = min(chosen[rid], options[rid].depth_limit(source)) if source else 0
+            depths[rid] = depth
+            if depth:
+                sources[rid] = source
+        return depths, sources
+
+    def _lookup_watch(self) -> set[str]:
+        """Rows that would draft by lookup once they match (see `StepPlan.lookup_watch`)."""
+        if LOOKUP not in self.sources:
+            return set()
+        wants = getattr(self.policy, "wants_lookup", None)
+        return {
+            r.request_id
+            for r in self.running
+            if LOOKUP in allowed_sources(r.params.draft_sources, self.sources)
+            and r.params.num_speculative_tokens != 0
+            and (wants is None or wants(r.request_id))
+        }
 
     def _expects_plain_next(self) -> bool:
         """After a plain step: will the next one be plain for every row too? (The runner
@@ -151,14 +209,16 @@ class Scheduler:
         hint = getattr(self.policy, "expects_plain_next", None)
         return bool(hint is not None and hint())
 
-    def _parked_reason(self, request: Request, chosen: int) -> str:
+    def _parked_reason(self, request: Request, chosen: int, options: DraftOptions) -> str:
         """Why a request decodes without drafting this step (a metric label)."""
         if self.max_depth == 0:
             return "no_drafter"
-        if request.params.num_speculative_tokens == 0:
+        if request.params.num_speculative_tokens == 0 or request.params.draft_sources == []:
             return "request_disabled"
-        if chosen > 0:
+        if chosen > 0 or request.params.max_tokens - request.generated <= 1:
             return "token_budget"  # one token left: nothing to draft for
+        if not options.sources:
+            return "no_match"  # lookup was the only source and nothing matched
         reason = getattr(self.policy, "parked_reasons", {}).get(request.request_id)
         return reason or "policy"
 
@@ -185,6 +245,10 @@ class Scheduler:
         """Fold a step's result into the requests; return those with new output."""
         now = time.monotonic()
         changed: list[Request] = []
+        for request_id, match in result.lookup_matches.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.lookup_match = match
         for request_id, token in result.first_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.finished:
@@ -200,6 +264,11 @@ class Scheduler:
                 continue
             request.drafted += outcome.drafted
             request.accepted += outcome.accepted
+            if outcome.source is not None and outcome.drafted:
+                by, source = request.drafted_by, outcome.source
+                by[source] = by.get(source, 0) + outcome.drafted
+                by = request.accepted_by
+                by[source] = by.get(source, 0) + outcome.accepted
             request.verify_steps += 1
             request.last_token_time = now
             self._add_tokens(request, outcome.tokens, changed)

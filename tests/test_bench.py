@@ -364,3 +364,21 @@ def test_mix_workloads_wrap_chat_kinds_in_the_chat_template(tmp_path):
     shutil.copytree(target, tmp_path / "target")
     args = cli.build_parser().parse_args(["bench", "run", "--target", str(tmp_path / "target")])
     assert config_from_args(args).workload_set == "mix"
+
+
+def test_policies_choose_draft_sources(qwen3_target_dir):
+    from bench.suite import build_engines, policy_depth
+
+    policies = ["adaptive@lookup", "3@dflash", "7@dflash+lookup", "adaptive"]
+    cfg = SuiteConfig(target=str(qwen3_target_dir), drafter=None, engines=["flashbatch"],
+                      policies=policies)  # fmt: skip
+    _, engines = build_engines(cfg)
+    by_name = {e.name: e for e in engines}
+    assert by_name["flashbatch adaptive lookup"].config.draft_sources == ["lookup"]
+    assert "lookup" in by_name["flashbatch adaptive lookup"].description
+    for name in ("flashbatch d=3 dflash", "flashbatch d=7 dflash+lookup"):
+        assert "no DFlash drafter" in by_name[name].reason  # reported as a failed row
+    # Without a drafter the default sources are lookup alone: the engine still drafts.
+    assert by_name["flashbatch adaptive"].config.served_sources() == ("lookup",)
+    with pytest.raises(ValueError, match="unknown draft sources"):
+        policy_depth("3@eagle")

@@ -78,6 +78,18 @@ PANELS = {
         r"\{.*/ on\(\) group_left sum\(rate\(flashbatch_spec_decode_num_drafts_total\{"
     ],
     "Draft depth distribution": [r"flashbatch_spec_decode_draft_depth_bucket\{"],
+    "Acceptance rate by source": [
+        r"sum by \(model_name, source\) \(rate\(flashbatch_spec_decode_num_accepted_tokens_total"
+        r"\{.*/ sum by \(model_name, source\) \(rate\("
+        r"flashbatch_spec_decode_num_draft_tokens_total\{"
+    ],
+    "Draft and accepted tokens by source": [
+        r"sum by \(model_name, source\) \(rate\(flashbatch_spec_decode_num_draft_tokens_total\{",
+        r"sum by \(model_name, source\) \(rate\(flashbatch_spec_decode_num_accepted_tokens_total\{",
+    ],
+    "Drafting rows by source": [
+        r"sum by \(model_name, source\) \(rate\(flashbatch_spec_decode_draft_depth_count\{",
+    ],
     "Parked steps by reason": [
         r"sum by \(reason\) \(rate\(flashbatch_spec_decode_parked_steps_total\{"
     ],

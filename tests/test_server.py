@@ -129,6 +129,7 @@ def test_openai_client_completions_and_chat(server, qwen3_target_dir):
         ({"prompt": "x", "model": "other"}, 404, "does not exist"),
         ({"prompt": 5}, 400, "invalid request"),
         ({"messages": []}, 400, "messages must not be empty"),
+        ({"prompt": "x", "draft_sources": ["eagle"]}, 400, "unknown draft sources"),
     ],
 )
 def test_errors_use_the_openai_shape(server, body, status, needle):
@@ -172,6 +173,42 @@ def test_metrics_count_what_was_served(server):
     assert delta("flashbatch_e2e_request_latency_seconds_count") == 3
     assert delta("flashbatch_spec_decode_draft_depth_count") > 0
     assert _metric(after, "flashbatch_num_requests_running") == 0
+
+
+def test_draft_sources_per_request_with_per_source_accounting(server):
+    """`draft_sources` narrows a request's drafters; the `flashbatch` object and the metrics'
+    `source` label say which drafter proposed what."""
+    before = server.metrics()
+    bodies = {}
+    for source in ("dflash", "lookup"):
+        response = httpx.post(server.url + "/v1/completions", json={
+            "prompt": [5, 6, 7, 8] * 5, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "num_speculative_tokens": 4, "draft_sources": [source],
+        })  # fmt: skip
+        assert response.status_code == 200, response.text
+        bodies[source] = response.json()["flashbatch"]
+    after = server.metrics()
+    for source, body in bodies.items():
+        assert set(body["sources"]) <= {source}
+        per_source = body["sources"].get(source, {"drafted_tokens": 0, "accepted_tokens": 0})
+        assert per_source["drafted_tokens"] == body["drafted_tokens"]
+        assert per_source["accepted_tokens"] == body["accepted_tokens"]
+        name = "flashbatch_spec_decode_num_draft_tokens_total"
+        delta = _metric(after, name, source=source) - _metric(before, name, source=source)
+        assert delta == body["drafted_tokens"], source
+    assert bodies["dflash"]["drafted_tokens"] > 0  # a fixed depth always drafts
+
+
+def test_draft_sources_flag_serves_lookup_alone(qwen3_target_dir, drafter_dir):
+    s = ServerProcess(qwen3_target_dir, drafter_dir, env={"FLASHBATCH_DRAFT_SOURCES": "lookup"})
+    try:
+        body = {"prompt": [5, 6, 7] * 4, "max_tokens": 6, "temperature": 0}
+        ok = httpx.post(s.url + "/v1/completions", json=body)
+        assert ok.status_code == 200 and set(ok.json()["flashbatch"]["sources"]) <= {"lookup"}
+        refused = httpx.post(s.url + "/v1/completions", json={**body, "draft_sources": ["dflash"]})
+        assert refused.status_code == 400 and "not served" in refused.json()["error"]["message"]
+    finally:
+        s.stop()
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian: prometheus) absent")

@@ -1,0 +1,134 @@
+"""Prompt lookup as a `Drafter`: drafts copied from the request's own prompt and output.
+
+No forward at all: each session keeps an `NGramIndex` over its committed tokens, and a
+proposal continues the most recent earlier occurrence of the longest matching suffix. The
+session also keeps what the controller needs to judge it: the current match length and how
+often its drafts were accepted.
+
+Token bookkeeping follows the runner's: `commit` reports the tokens now in the target cache,
+and the anchor (the newest committed token, not yet in the cache) arrives with `propose` or
+`match_length`. The anchor is indexed as soon as it is seen, because the suffix that matters
+ends with it; the next `commit` then starts with that same token, which is checked and skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from drafters.base import Candidates
+from drafters.lookup.index import NGramIndex
+
+DEFAULT_MIN_N, DEFAULT_MAX_N = 2, 4
+DEFAULT_MAX_DEPTH = 15
+
+
+class LookupSession:
+    """One request's index and lookup statistics."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.index = NGramIndex(min_n, max_n)
+        self.cached = 0  # positions reported by `commit` (the target cache's length)
+        self.proposals = 0
+        self.drafted = 0  # draft tokens proposed and verified
+        self.accepted = 0  # of those, accepted
+
+    @property
+    def context_rows(self) -> int:
+        return self.cached
+
+    @property
+    def pending_rows(self) -> int:
+        return 0  # nothing to write anywhere: the index is updated at commit
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    def add(self, start: int, tokens: Sequence[int]) -> None:
+        """Index `tokens`, which sit at positions start, start+1, ...; positions already
+        indexed (an anchor seen early) must hold the same token."""
+        index = self.index
+        for offset, token in enumerate(tokens):
+            position = start + offset
+            if position < len(index):
+                if index.tokens[position] != token:
+                    raise ValueError(
+                        f"lookup session out of sync at position {position}: indexed "
+                        f"{index.tokens[position]}, committed {token}"
+                    )
+            elif position == len(index):
+                index.append(int(token))
+            else:
+                raise ValueError(f"lookup session skipped positions {len(index)}..{position - 1}")
+
+
+class LookupDrafter:
+    """Batched prompt lookup (pure Python; a proposal costs O(max_n^2) per row)."""
+
+    def __init__(
+        self,
+        min_n: int = DEFAULT_MIN_N,
+        max_n: int = DEFAULT_MAX_N,
+        max_depth: int = DEFAULT_MAX_DEPTH,
+    ) -> None:
+        NGramIndex(min_n, max_n)  # validates the bounds here, not at the first request
+        if max_depth < 1:
+            raise ValueError("lookup max_depth must be >= 1")
+        self.min_n, self.max_n = min_n, max_n
+        self.block_size = max_depth + 1
+        self._max_depth = max_depth
+
+    @property
+    def max_depth(self) -> int:
+        return self._max_depth
+
+    def open(self, prompt_ids: Sequence[int] = ()) -> LookupSession:
+        # The prompt arrives through `commit` once it is in the target cache, like DFlash's.
+        return LookupSession(self.min_n, self.max_n)
+
+    def commit(self, session: LookupSession, features: Any = None,
+               tokens: Sequence[int] = ()) -> None:  # fmt: skip
+        """Tokens now in the target cache, in position order (features are not needed)."""
+        session.add(session.cached, tokens)
+        session.cached += len(tokens)
+
+    def match_length(self, session: LookupSession, anchor: int) -> int:
+        """Length of the longest earlier match of the suffix ending at `anchor` (0: none)."""
+        session.add(session.cached, [anchor])
+        return session.index.match()[0]
+
+    def draft(self, session: LookupSession, anchor: int, depth: int) -> list[int]:
+        """Draft tokens for one session as a list (possibly fewer than `depth`: none on no
+        match)."""
+        session.add(session.cached, [anchor])
+        drafts, _ = session.index.propose(depth)
+        session.proposals += 1
+        return drafts
+
+    def propose(
+        self, sessions: list[LookupSession], anchors: list[int], depths: list[int]
+    ) -> Candidates:
+        """The `Drafter` protocol's batched call: rows without a match are padded with their
+        anchor and report probability 0 for those positions."""
+        width = max(depths)
+        rows, probs = [], []
+        for session, anchor, depth in zip(sessions, anchors, depths):
+            drafts = self.draft(session, anchor, depth)
+            rows.append(drafts + [anchor] * (width - len(drafts)))
+            probs.append([1.0] * len(drafts) + [0.0] * (width - len(drafts)))
+        return Candidates(
+            tokens=mx.array(rows, dtype=mx.int32),
+            probs=mx.array(probs, dtype=mx.float32),
+            depths=list(depths),
+        )
+
+    def record(self, session: LookupSession, drafted: int, accepted: int) -> None:
+        """Verification's verdict on the session's latest drafts (for its statistics)."""
+        session.drafted += drafted
+        session.accepted += accepted
+
+    def close(self, session: LookupSession) -> None:
+        session.index = NGramIndex(self.min_n, self.max_n)  # release the tables now

@@ -1,0 +1,65 @@
+"""An incremental n-gram index over one request's tokens, for prompt-lookup drafting.
+
+For every n in [min_n, max_n] a dict maps an n-gram to the position right after its most
+recent occurrence that has a continuation. Appending a token adds one entry per n (the n-gram
+that ends just before it now has a known next token), so the work per token is constant and
+nothing is ever rescanned.
+
+A proposal takes the longest suffix (n from max_n down to min_n) that occurred before and
+continues its most recent earlier occurrence. The continuation may run into the drafts
+themselves (copying as if they were already appended, as LZ77 does): a periodic tail such as
+``a b a b`` then proposes ``a b a b ...`` to any depth instead of stopping after one period.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class NGramIndex:
+    """Hashed n-grams of one token sequence; see the module docstring."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        # tables[n - min_n]: n-gram -> position of the token that followed its latest occurrence
+        self._tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n - min_n + 1)]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, token: int) -> None:
+        tokens, position = self.tokens, len(self.tokens)
+        for n in range(self.min_n, min(self.max_n, position) + 1):
+            self._tables[n - self.min_n][tuple(tokens[position - n : position])] = position
+        tokens.append(token)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            self.append(token)
+
+    def match(self) -> tuple[int, int]:
+        """(n, position): the longest suffix n-gram seen before and the position of the token
+        that followed its latest earlier occurrence; (0, -1) when no suffix of at least min_n
+        tokens occurred before."""
+        tokens, length = self.tokens, len(self.tokens)
+        for n in range(min(self.max_n, length), self.min_n - 1, -1):
+            position = self._tables[n - self.min_n].get(tuple(tokens[length - n :]))
+            if position is not None:
+                return n, position
+        return 0, -1
+
+    def propose(self, depth: int) -> tuple[list[int], int]:
+        """Up to `depth` draft tokens continuing the longest earlier match, and the match
+        length n (0 and no drafts when nothing matches)."""
+        n, position = self.match()
+        if n == 0 or depth <= 0:
+            return [], n
+        tokens, length = self.tokens, len(self.tokens)
+        drafts: list[int] = []
+        for i in range(depth):
+            source = position + i
+            drafts.append(tokens[source] if source < length else drafts[source - length])
+        return drafts, n

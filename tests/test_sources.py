@@ -1,0 +1,146 @@
+"""Choosing a draft source per row and per step (no MLX): the adaptive controller on a
+simulator with two sources, and the scheduler's source bookkeeping."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.sampling import SamplingParams
+from engine.stopping import StopChecker
+from scheduler.adaptive import AdaptiveDepthPolicy
+from scheduler.depth import FixedDepthPolicy
+from scheduler.plan import RowOutcome, StepResult
+from scheduler.request import Request, RequestStatus
+from scheduler.scheduler import Scheduler, SchedulerLimits
+from scheduler.sources import (
+    DFLASH,
+    LOOKUP,
+    engine_sources,
+    parse_sources,
+    row_options,
+)
+
+DEPTHS = {DFLASH: 15, LOOKUP: 15}
+
+
+def requests(n: int) -> list[Request]:
+    out = []
+    for i in range(n):
+        params = SamplingParams(max_tokens=10**6)
+        out.append(Request(f"r{i}", [1, 2, 3], params, StopChecker(params)))
+    return out
+
+
+class TwoSourceSimulator:
+    """Per (request, source) true acceptance per position; lookup usable only for requests
+    with a match; step time from a verify cost curve plus the drafter forward's cost when any
+    row drafts by DFlash."""
+
+    def __init__(self, acceptance, matched: set[str], cost, drafter_cost: float, seed=0):
+        self.acceptance, self.matched = acceptance, matched
+        self.cost, self.drafter_cost = cost, drafter_cost
+        self.rng = random.Random(seed)
+
+    def step(self, policy, reqs):
+        options = {
+            r.request_id: row_options(
+                (DFLASH, LOOKUP), 3 if r.request_id in self.matched else 0, DEPTHS
+            )
+            for r in reqs
+        }
+        depths, sources = policy.choose_drafts(reqs, options)
+        outcomes = {}
+        for r in reqs:
+            d = depths[r.request_id]
+            source = sources.get(r.request_id) if d else None
+            if d:
+                assert source in options[r.request_id].sources
+            accepted = 0
+            for p in (self.acceptance[(r.request_id, source)] if d else [])[:d]:
+                if self.rng.random() >= p:
+                    break
+                accepted += 1
+            outcomes[r.request_id] = RowOutcome([0] * (accepted + 1), d, accepted, source)
+        width = max(depths.values()) + 1
+        dflash_rows = sum(
+            1 for r in reqs if depths[r.request_id] and sources[r.request_id] == DFLASH
+        )
+        seconds = self.cost(len(reqs), width) + (self.drafter_cost if dflash_rows else 0.0)
+        policy.observe(StepResult(
+            outcomes=outcomes, batch_size=len(reqs), verify_tokens=len(reqs) * width,
+            drafted_rows=dflash_rows, step_seconds=seconds, phase_seconds={"forward": seconds},
+        ))  # fmt: skip
+        return depths, sources, dflash_rows
+
+
+def run(sim, policy, reqs, steps):
+    return [sim.step(policy, reqs) for _ in range(steps)]
+
+
+def test_each_row_takes_the_source_that_commits_more():
+    good, bad = [0.9] * 15, [0.05] * 15
+    acceptance = {("r0", LOOKUP): good, ("r0", DFLASH): bad,
+                  ("r1", LOOKUP): bad, ("r1", DFLASH): good}  # fmt: skip
+    sim = TwoSourceSimulator(acceptance, {"r0", "r1"}, lambda b, w: 0.1 + 0.002 * b * w, 0.005)
+    history = run(sim, AdaptiveDepthPolicy(), requests(2), 300)
+    tail = history[-50:]
+    assert sum(1 for _, s, _ in tail if s.get("r0") == LOOKUP) >= 45
+    assert sum(1 for _, s, _ in tail if s.get("r1") == DFLASH) >= 45
+
+
+def test_lookup_alone_runs_without_the_drafter_when_its_forward_does_not_pay():
+    """r0 copies (lookup good); r1 has no match and DFlash helps it only a little, less than the
+    drafter forward costs: r0 drafts by lookup, r1 decodes plainly, no drafter forward runs."""
+    acceptance = {("r0", LOOKUP): [0.95] * 15, ("r0", DFLASH): [0.3] * 15,
+                  ("r1", DFLASH): [0.3] * 15}  # fmt: skip
+    sim = TwoSourceSimulator(acceptance, {"r0"}, lambda b, w: 0.05 + 0.001 * b * w, 0.2)
+    history = run(sim, AdaptiveDepthPolicy(), requests(2), 300)
+    tail = history[-50:]
+    lookup_only = [h for h in tail if h[1].get("r0") == LOOKUP and h[2] == 0]
+    assert len(lookup_only) >= 45
+    assert all(h[0]["r1"] == 0 for h in lookup_only)
+
+
+def test_a_row_whose_lookup_fails_moves_to_dflash_and_both_park_when_neither_pays():
+    acceptance = {("r0", LOOKUP): [0.02] * 15, ("r0", DFLASH): [0.85] * 15}
+    sim = TwoSourceSimulator(acceptance, {"r0"}, lambda b, w: 0.1 + 0.002 * b * w, 0.005)
+    tail = run(sim, AdaptiveDepthPolicy(), requests(1), 300)[-50:]
+    assert sum(1 for _, s, _ in tail if s.get("r0") == DFLASH) >= 45
+    hopeless = {("r0", LOOKUP): [0.02] * 15, ("r0", DFLASH): [0.02] * 15}
+    sim = TwoSourceSimulator(hopeless, {"r0"}, lambda b, w: 0.03 + 0.02 * b * w, 0.01)
+    policy = AdaptiveDepthPolicy()
+    tail = run(sim, policy, requests(1), 400)[-100:]
+    assert sum(1 for d, _, _ in tail if d["r0"]) <= 5  # parked, with rare probes
+    assert not policy.wants_lookup("r0")
+
+
+def test_source_names_and_defaults():
+    assert parse_sources("lookup, dflash") == [DFLASH, LOOKUP]
+    assert parse_sources("none") == [] and parse_sources(None) is None
+    with pytest.raises(ValueError, match="unknown draft sources"):
+        parse_sources("eagle")
+    assert engine_sources(None, has_dflash=True) == (DFLASH, LOOKUP)
+    assert engine_sources(None, has_dflash=False) == (LOOKUP,)
+    with pytest.raises(ValueError, match="needs a DFlash drafter"):
+        engine_sources([DFLASH], has_dflash=False)
+
+
+def test_scheduler_gives_lookup_only_to_matching_rows_within_each_requests_sources():
+    limits = SchedulerLimits()
+    scheduler = Scheduler(limits, FixedDepthPolicy(4), 15, {DFLASH: 15, LOOKUP: 6})
+    asked = {"a": None, "b": [LOOKUP], "c": [DFLASH], "d": [LOOKUP], "e": []}
+    for rid, sources in asked.items():
+        params = SamplingParams(max_tokens=100, draft_sources=sources)
+        request = Request(rid, [1, 2], params, StopChecker(params))
+        request.status = RequestStatus.RUNNING
+        scheduler.requests[rid] = request
+        scheduler.running.append(request)
+    matches = {"a": 3, "b": 2, "c": 4, "d": 0, "e": 4}
+    scheduler.apply(StepResult(lookup_matches=matches))
+    plan = scheduler.plan()
+    assert plan.sources == {"a": LOOKUP, "b": LOOKUP, "c": DFLASH}
+    assert plan.depths == {"a": 4, "b": 4, "c": 4, "d": 0, "e": 0}
+    assert scheduler.last_parked == {"d": "no_match", "e": "request_disabled"}
+    assert plan.lookup_watch == {"a", "b", "d"}

@@ -134,7 +134,8 @@ class AsyncEngine:
         drafter = self.config.drafter if DFLASH in sources else None  # lookup only: no taps
         pair = load_pair(self.config.target, drafter)
         runner = ModelRunner(pair.target, pair.drafter, profile_phases=self.config.profile_phases,
-                             lookup=self._lookup_drafter(sources))  # fmt: skip
+                             lookup=self._lookup_drafter(sources),
+                             packed_verify=self.config.packed_verify)  # fmt: skip
         log.info("draft sources: %s", ", ".join(sources) or "none")
         return runner, pair.tokenizer
 

@@ -201,7 +201,7 @@ def _attention(attn: nn.Module, x: mx.array, cache: RaggedKVCache, idx: _Indices
         drafted = row_attention(
             _heads(queries, idx.drafts, rows), cached_keys[idx.drafting],
             cached_values[idx.drafting], idx.draft_mask, attn.scale,
-        )  # fmt: skip  [S, h, Wd, D]
+        )  # fmt: skip
         outputs.append(drafted.transpose(0, 2, 1, 3).reshape(rows * idx.draft_width, -1))
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
     return attn.o_proj(out[idx.pack][None])

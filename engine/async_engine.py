@@ -114,7 +114,8 @@ class AsyncEngine:
             if self.config.num_speculative_tokens is not None:
                 self._policy = FixedDepthPolicy(self.config.num_speculative_tokens)
             else:
-                self._policy = AdaptiveDepthPolicy(self._runner.max_depth)
+                packed = self._runner.packed is not None  # its cost follows the verify's shape
+                self._policy = AdaptiveDepthPolicy(self._runner.max_depth, packed=packed)
                 if self._runner.max_depth:
                     profile = await loop.run_in_executor(self._executor, self._runner.profile)
                     self._policy.seed(profile)

@@ -40,17 +40,19 @@ def _mixed_requests(n: int, vocab: int, seed: int, spread: float):
     ]
 
 
-async def _greedy_at(concurrency: int, count: int, qwen3_target_dir, vocab_size, spread=0.1):
+async def _greedy_at(
+    concurrency: int, count: int, qwen3_target_dir, vocab_size, spread=0.1, packed=True
+):
     requests = _mixed_requests(count, vocab_size, seed=concurrency, spread=spread)
     model, _ = load_target_model(qwen3_target_dir)
     references = [p + plain_greedy(model, p, m) for _, p, m, _, _ in requests]
     config = EngineConfig(
         target=str(qwen3_target_dir), max_num_seqs=concurrency, prefill_chunk_tokens=1024,
-        num_speculative_tokens=7,
+        num_speculative_tokens=7, packed_verify=packed,
     )  # fmt: skip
     engine = ScriptedEngine(config, references, vocab_size, [7, 2, 0, 5, 1, 3])
     async with engine:
-        assert engine._runner.packed is not None
+        assert (engine._runner.packed is not None) == packed
         layouts = _record_layouts(engine)
         failures = check_invariants(engine)
         results = await run_all(engine, requests)
@@ -73,6 +75,11 @@ async def test_greedy_mixed_depths_equal_plain_decoding_at_8(qwen3_target_dir, v
     # Rows of different widths verified in one forward, each paying only its own positions.
     assert any(len(set(layout.widths)) > 2 for layout in layouts)
     assert any(layout.total < layout.rows * layout.max_width for layout in layouts)
+
+
+async def test_the_padded_fallback_stays_exact_under_mixed_depths(qwen3_target_dir, vocab_size):
+    layouts = await _greedy_at(8, 16, qwen3_target_dir, vocab_size, packed=False)
+    assert layouts == []  # every drafting step verified padded
 
 
 async def test_greedy_mixed_depths_equal_plain_decoding_at_32(qwen3_target_dir, vocab_size):

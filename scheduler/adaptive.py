@@ -209,15 +209,14 @@ class CostModel:
         if extra <= 0:
             return 0.0
         bucket = _batch_bucket(batch)
-        # This kind of step's curve first; else the other kind's (for DFlash: optimistic, so
-        # the controller explores and measures it).
-        for kind in (drafting, not drafting):
-            known = [b for (b, d), c in self.extra.items() if d == kind and c.mean]
-            if known:  # this batch size's curve, else the nearest one measured
-                nearest = min(known, key=lambda b: (abs(b - bucket), -b))
-                return max(0.0, self.extra[(nearest, kind)].predict(extra))
-        # Nothing measured: as if the extra positions were extra plain rows.
-        return self.predict_plain(batch) * extra / max(batch, 1)
+        known = [b for (b, d), c in self.extra.items() if d == drafting and c.mean]
+        if known:  # this batch size's curve, else the nearest one measured
+            nearest = min(known, key=lambda b: (abs(b - bucket), -b))
+            return max(0.0, self.extra[(nearest, drafting)].predict(extra))
+        if drafting:  # unmeasured: as without the drafter (optimistic, so it gets explored)
+            return self.predict_extra(batch, extra, False)
+        # Verify positions alone, unmeasured: as that many more plain rows.
+        return max(0.0, self.predict_plain(batch + extra) - self.predict_plain(batch))
 
     def predict(self, batch: int, depths: list[int], prefill_tokens: int = 0,
                 drafting: bool = True) -> float:  # fmt: skip

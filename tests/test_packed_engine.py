@@ -15,14 +15,14 @@ from engine.loading import load_target_model
 def _record_layouts(engine) -> list:
     """Every packed verify layout the runner builds."""
     runner = engine._runner
-    layouts, original = [], runner._decode_packed
+    layouts, original = [], runner._verify_packed
 
-    def decode_packed(*args):
+    def verify_packed(*args):
         decode = original(*args)
         layouts.append(decode.layout)
         return decode
 
-    runner._decode_packed = decode_packed
+    runner._verify_packed = verify_packed
     return layouts
 
 

@@ -114,7 +114,8 @@ class AsyncEngine:
             if self.config.num_speculative_tokens is not None:
                 self._policy = FixedDepthPolicy(self.config.num_speculative_tokens)
             else:
-                self._policy = AdaptiveDepthPolicy(self._runner.max_depth)
+                packed = self._runner.packed is not None  # its cost follows the verify's shape
+                self._policy = AdaptiveDepthPolicy(self._runner.max_depth, packed=packed)
                 if self._runner.max_depth:
                     profile = await loop.run_in_executor(self._executor, self._runner.profile)
                     self._policy.seed(profile)
@@ -134,7 +135,8 @@ class AsyncEngine:
         drafter = self.config.drafter if DFLASH in sources else None  # lookup only: no taps
         pair = load_pair(self.config.target, drafter)
         runner = ModelRunner(pair.target, pair.drafter, profile_phases=self.config.profile_phases,
-                             lookup=self._lookup_drafter(sources))  # fmt: skip
+                             lookup=self._lookup_drafter(sources),
+                             packed_verify=self.config.packed_verify)  # fmt: skip
         log.info("draft sources: %s", ", ".join(sources) or "none")
         return runner, pair.tokenizer
 

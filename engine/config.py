@@ -19,6 +19,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_cache_bytes: int = 4 << 30  # target KV cache budget for admitted requests
     # None: the adaptive depth controller; a number: that fixed depth for everyone (0 = off)
     num_speculative_tokens: int | None = None
+    # Verify rows packed (each row pays for its own 1 + depth positions) where the target's
+    # architecture allows (mlx-lm llama, qwen2, qwen3); False: the padded verify everywhere.
+    packed_verify: bool = True
     profile_phases: bool = False  # time draft and verify apart (costs one extra sync per step)
     # Draft sources served: "dflash" (needs `drafter`) and/or "lookup" (n-gram lookup over each
     # request's prompt and output, no forward). None: both where a drafter is given, lookup

@@ -174,9 +174,15 @@ class RaggedKVCache:
         if taken.keys is not None:
             self._ensure_capacity(taken.keys.shape[2], taken.keys, taken.values)
             taken._ensure_capacity(self.keys.shape[2], taken.keys, taken.values)
-            index = mx.array(rows, dtype=mx.int32)
-            self.keys[index] = taken.keys
-            self.values[index] = taken.values
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                # A contiguous run of rows (often one): a slice update writes in place, where
+                # an index scatter copies the whole cache.
+                self.keys[rows[0] : rows[0] + len(rows)] = taken.keys
+                self.values[rows[0] : rows[0] + len(rows)] = taken.values
+            else:
+                index = mx.array(rows, dtype=mx.int32)
+                self.keys[index] = taken.keys
+                self.values[index] = taken.values
         lengths = list(self.lengths)
         for r, length in zip(rows, taken.lengths):
             lengths[r] = length

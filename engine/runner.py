@@ -5,7 +5,8 @@ Everything MLX lives here and is touched only from the engine's single MLX threa
 1. rows of finished/aborted requests leave the batch (`filter`: the only copies, with joins);
 2. prefill chunks of new requests run, each request in its own small cache;
 3. decode: one batched drafter forward for the rows with depth > 0, one batched target forward
-   over ``[anchor, drafts...]`` of every row (ragged depths padded to the widest and masked),
+   over ``[anchor, drafts...]`` of every row (packed: each row only its own ``1 + depth``
+   positions, see `engine.packed`; padded to the widest for other architectures),
    every row sampled with its own sampler, the longest prefix where draft == sample accepted;
 4. **one** host sync; then per-row rollback of the rejected positions (O(1), lengths only),
    committed features to the drafter sessions, and finished prefills join the batch;
@@ -34,6 +35,7 @@ import mlx.core as mx
 from drafters.base import Drafter, DraftSession
 from drafters.lookup import LookupDrafter, LookupSession
 from engine.kv_cache import RaggedKVCache
+from engine.packed import PackedLayout
 from engine.sampling import SamplingParams, request_key, sample
 from engine.target import TargetAdapter
 from scheduler.plan import Admission, RowOutcome, StepPlan, StepResult
@@ -76,10 +78,33 @@ class _Decode:
     width: int
     targets: mx.array  # [B, width + 1]
     accepted: mx.array  # [B]
-    features: mx.array | None
+    features: mx.array | None  # [B, width + 1, F] padded, or [N, F] packed
     drafted_rows: int  # rows in the drafter forward
     sources: list[str | None] = field(default_factory=list)  # per row (None: no drafts)
     lookup_rows: int = 0
+    # Packed verify: where row b's verify position i lies in the packed logits/features
+    # (`layout.index(b, i)`); None when the forward was padded to `width + 1` per row.
+    layout: PackedLayout | None = None
+
+    def row_features(self, row: int, count: int) -> mx.array:
+        """Features of the first `count` verify positions of `row`."""
+        if self.layout is None:
+            return self.features[row, :count]
+        start = self.layout.starts[row]
+        return self.features[start : start + count]
+
+    def trims(self, accepted: list[int]) -> list[int]:
+        """Cache positions to roll back per row: all it wrote past its accepted drafts."""
+        if self.layout is None:
+            return [self.width - a for a in accepted]
+        return [w - 1 - a for w, a in zip(self.layout.widths, accepted)]
+
+    @property
+    def verify_tokens(self) -> int:
+        """Positions that went through the target."""
+        if self.layout is None:
+            return len(self.depths) * (self.width + 1)
+        return self.layout.total
 
 
 @dataclass
@@ -115,10 +140,15 @@ class ModelRunner:
         drafter: Drafter | None = None,
         profile_phases: bool = False,
         lookup: LookupDrafter | None = None,
+        packed_verify: bool = True,
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.lookup = lookup
+        # Drafting steps verify packed (each row its own 1 + depth positions) where the target
+        # allows; plain steps keep the stock forward (depth 0 is the plain path).
+        drafts = drafter is not None or lookup is not None
+        self.packed = target.packed_verifier() if packed_verify and drafts else None
         # Profiling adds a host sync after the draft forward to time it apart from the verify.
         self.profile_phases = profile_phases
         self._draft_seconds = 0.0
@@ -289,19 +319,48 @@ class ModelRunner:
         drafting = [i for i, d in enumerate(depths) if d > 0 and sources[i] == DFLASH]
         if width:
             drafts = self._draft_matrix(states, depths, drafting, lookup_drafts, width)
+            if self.packed is not None:
+                decode = self._verify_packed(states, depths, drafts)
+                decode.drafted_rows, decode.sources = len(drafting), sources
+                decode.lookup_rows = len(lookup_drafts)
+                return decode
             verify_ids = mx.concatenate([anchors, drafts], axis=1)
         else:
             verify_ids = anchors
         logits, features = self.target(verify_ids, self.cache)
         targets = self._sample_rows(logits, states)
         if width:
-            in_depth = mx.arange(width)[None, :] < mx.array(depths)[:, None]
-            matches = (drafts == targets[:, :width]) & in_depth
-            accepted = mx.cumprod(matches.astype(mx.int32), axis=1).sum(axis=1)
+            accepted = _accepted(drafts, targets, depths)
         else:
             accepted = mx.zeros((len(states),), dtype=mx.int32)
         return _Decode(depths, width, targets, accepted, features, len(drafting),
                        sources, len(lookup_drafts))  # fmt: skip
+
+    def _verify_packed(
+        self, states: list[_RowState], depths: list[int], drafts: mx.array
+    ) -> _Decode:
+        """The verify as one packed forward: row b contributes [anchor, its d_b drafts]
+        (`drafts` is [B, width], each row's own drafts first)."""
+        B, width = len(states), max(depths)
+        layout = PackedLayout.build([1 + d for d in depths], list(self.cache[0].lengths))
+        # Packed ids gathered from [anchors of every row; the draft matrix, row by row].
+        source = [
+            j for b, d in enumerate(depths) for j in [b] + [B + b * width + i for i in range(d)]
+        ]
+        pool = mx.concatenate([mx.array([s.anchor for s in states], dtype=mx.int32),
+                               drafts.reshape(-1)])  # fmt: skip
+        logits, features = self.packed(pool[mx.array(source, dtype=mx.int32)], layout, self.cache)
+        if all(s.params.greedy for s in states):
+            packed_targets = mx.argmax(logits, axis=-1).astype(mx.int32)
+        else:  # each row samples only its own positions, with its own sampler and key
+            packed_targets = mx.concatenate([
+                sample(logits[layout.starts[b] : layout.starts[b] + w], s.params, s.next_key())
+                for b, (s, w) in enumerate(zip(states, layout.widths))
+            ])  # fmt: skip
+        by_row = mx.array(layout.padded_index(list(range(B)), 0, width + 1), dtype=mx.int32)
+        targets = packed_targets[by_row].reshape(B, width + 1)
+        accepted = _accepted(drafts, targets, depths)
+        return _Decode(depths, width, targets, accepted, features, 0, layout=layout)
 
     def _row_source(
         self, request_id: str, depth_by_id: dict[str, int], source_by_id: dict[str, str]
@@ -350,7 +409,7 @@ class ModelRunner:
     def _commit(self, decode: _Decode, result: StepResult) -> None:
         targets = decode.targets.tolist()
         accepted = decode.accepted.tolist()
-        trims = [decode.width - a for a in accepted]
+        trims = decode.trims(accepted)
         for layer_cache in self.cache:
             layer_cache.trim_rows(trims)
         for i, request_id in enumerate(self.rows):
@@ -361,7 +420,7 @@ class ModelRunner:
             # Both sessions see every committed position, whichever source proposed it.
             cached = [state.anchor] + committed[:a]  # positions now in the target cache
             if state.session is not None:
-                self.drafter.commit(state.session, decode.features[i, : a + 1], cached)
+                self.drafter.commit(state.session, decode.row_features(i, a + 1), cached)
             state.anchor = committed[-1]
             if state.lookup is not None:
                 self.lookup.commit(state.lookup, None, cached)
@@ -370,7 +429,7 @@ class ModelRunner:
                 state.lookup_match = self.lookup.match_length(state.lookup, state.anchor)
             result.outcomes[request_id] = RowOutcome(committed, decode.depths[i], a, source)
         result.batch_size = len(self.rows)
-        result.verify_tokens = len(self.rows) * (decode.width + 1)
+        result.verify_tokens = decode.verify_tokens
         result.drafted_rows = decode.drafted_rows
         result.lookup_rows = decode.lookup_rows
 
@@ -499,3 +558,12 @@ class ModelRunner:
         )
         itemsize = self.target.dtype.size
         return 2 * self.target.num_layers * n_kv * head_dim * itemsize
+
+
+def _accepted(drafts: mx.array, targets: mx.array, depths: list[int]) -> mx.array:
+    """[B] accepted drafts per row: the longest prefix (within the row's own depth) where
+    draft == the target's sample at the same position."""
+    width = drafts.shape[1]
+    in_depth = mx.arange(width)[None, :] < mx.array(depths)[:, None]
+    matches = (drafts == targets[:, :width]) & in_depth
+    return mx.cumprod(matches.astype(mx.int32), axis=1).sum(axis=1)

@@ -169,6 +169,15 @@ class TargetAdapter:
             return head(hidden)
         return self._inner.embed_tokens.as_linear(hidden)
 
+    def packed_verifier(self) -> Any:
+        """The packed verify forward of this target (`engine.packed`), built once; None
+        (with the reason logged) for models it does not cover: they verify padded."""
+        if not hasattr(self, "_packed"):
+            from engine.packed import make_packed_verifier
+
+            self._packed = make_packed_verifier(self)
+        return self._packed
+
     def make_cache(self) -> list[Any]:
         from mlx_lm.models.cache import make_prompt_cache
 

@@ -6,24 +6,32 @@
   draft j is accepted given drafts 1..j-1 were, learned online (EWMA) and starting from a prior
   shared by all requests (itself an EWMA over everyone's observations). A request's expected
   committed tokens at depth d are 1 + sum_k prod_{j<=k} q[j].
-- **Cost model.** The verify forward runs every row at the batch's widest depth (rows are
-  padded), so a step's cost is a function of the rows B*(D+1) (+ prefill tokens), with or
-  without a drafter forward: two measured curves over quarter-octave buckets, EWMA per bucket
-  with updates clamped to a few robust deviations (one stall cannot flip decisions).
-- **Allocation.** For each candidate width D (0..max), every request drafts
-  min(D, its cap, its token budget, its own useful depth) — the depth past which its marginal
-  acceptance is negligible — and the D with the best predicted goodput wins. Requests with
-  high acceptance therefore get depth first; when no D > 0 beats plain decoding everyone
-  decodes plainly (no drafter forward at all).
-- **Exploration and recovery.** Until the cost of a width has been seen the controller climbs
-  one position at a time from the widest measured one. While parked it probes at depth 1 with
-  exponential backoff (4, 8, ... 512 steps), so acceptance that returns is noticed.
+- **Cost model.** With the packed verify (the default for llama/qwen2/qwen3 targets) a row
+  pays for its own ``1 + depth`` positions, so a step's cost is the plain step of its B rows
+  (+ prefill tokens) plus the extra cost of its E = sum(depths) drafted positions, drafter
+  forward included. Two kinds of measured curve on quarter-octave buckets: the plain step by
+  rows, and the extra by E, one per octave of batch size (an extra position costs more in a
+  large batch than next to a single row). With the padded verify (other models) E is
+  B * widest depth instead. EWMA per bucket, updates clamped to a few robust deviations (one
+  stall cannot flip decisions).
+- **Allocation.** Every draft position (request i, position k) has an expected gain: the
+  chance that drafts 1..k of request i are all accepted. Packed, positions are taken in
+  order of gain, best first, and the number E of positions with the best predicted goodput
+  wins — so depth goes to the requests where it buys the most tokens per packed position,
+  and a batch can give depth to one request without taxing the others. Padded, the
+  candidates are one width D for everyone (capped per request), as the verify pays for the
+  widest row anyway. When nothing beats plain decoding everyone decodes plainly (no
+  drafter forward at all).
+- **Exploration and recovery.** Until a larger E has been measured the controller at most
+  doubles the largest measured one. While parked it probes with exponential backoff (4, 8,
+  ... 512 steps); a probe drafts one position for a few rows (those that drafted least
+  recently), so it costs a few packed positions, not a batch-wide width.
 - **Draft sources.** A row may draft from DFlash or from prompt lookup (`scheduler.sources`);
-  acceptance is modelled per request *and per source* (one `AcceptanceModel` each). At each
-  width every row takes the source with the most expected tokens, and each width is priced
-  twice: with DFlash allowed (the drafter forward's cost curve, if any row takes it) and
-  without (lookup drafts cost no forward, only verify positions). Ties go to lookup. Probes
-  rotate through a row's usable sources, so a source that lost a request is tried again.
+  acceptance is modelled per request *and per source* (one `AcceptanceModel` each). Every
+  row takes the source with the most expected tokens, and every choice is priced twice: with
+  DFlash allowed (extra-cost curves of steps with a drafter forward) and without (lookup
+  drafts cost no forward, only verify positions). Ties go to lookup. Probes rotate through a
+  row's usable sources, so a source that lost a request is tried again.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ PRIOR_ACCEPTANCE = 0.6  # before anything is observed
 LOOKUP_PRIOR_ACCEPTANCE = 0.5
 MIN_MARGINAL = 0.02  # a draft position is useless once its acceptance chance falls below this
 PROBE_START, PROBE_MAX = 4, 512
+UNPARK_MARGIN = 0.03  # predicted goodput gain needed to start drafting again once parked
+PROBE_ROWS = 2  # rows a probe drafts for (packed verify; padded probes every row)
 
 
 @dataclass
@@ -153,47 +163,103 @@ class CostCurve:
         return self.bucket(rows) in self.mean
 
 
+def _extra_grid(most: int) -> list[int]:
+    """Extra-position counts to evaluate: every one up to 8, then quarter-octave steps (the
+    cost curve's own resolution), and `most`."""
+    grid = list(range(1, min(most, 8) + 1))
+    step = 8.0
+    while True:
+        step *= 2**0.25
+        if int(step) >= most:
+            break
+        if not grid or int(step) > grid[-1]:
+            grid.append(int(step))
+    if most > (grid[-1] if grid else 0):
+        grid.append(most)
+    return grid
+
+
+def _batch_bucket(batch: int) -> int:
+    return int(round(math.log2(max(batch, 1))))
+
+
 class CostModel:
-    """Step seconds for a padded verify of B rows x W positions (+ prefill tokens), with and
-    without a drafter forward — one `CostCurve` each, indexed by total rows processed."""
+    """Step seconds = plain step of B rows (+ prefill tokens) + the extra of E drafted
+    positions, with or without a drafter forward (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, packed: bool = True) -> None:
+        self.packed = packed
         self.plain = CostCurve()
-        self.drafting = CostCurve()
+        # (octave of batch size, drafter forward?) -> extra seconds by extra positions E
+        self.extra: dict[tuple[int, bool], CostCurve] = {}
         self.samples = 0
-        self.widths_seen: set[int] = set()
+        self.max_extra_seen = 0  # packed: extra positions; padded: widest depth
 
-    def predict(self, batch: int, width: int, prefill_tokens: int = 0, drafting: bool = False):
-        rows = batch * width + prefill_tokens
-        curve, other = (self.drafting, self.plain) if drafting else (self.plain, self.drafting)
-        seconds = curve.predict(rows)
-        if seconds is None:
-            seconds = other.predict(rows)
+    def extra_positions(self, depths: list[int]) -> int:
+        """Positions beyond one per row that the verify runs for these depths."""
+        if not any(depths):
+            return 0
+        return sum(depths) if self.packed else len(depths) * max(depths)
+
+    def predict_plain(self, batch: int, prefill_tokens: int = 0) -> float:
+        seconds = self.plain.predict(batch + prefill_tokens)
         return seconds if seconds is not None else 1.0
 
-    def observe(self, batch: int, width: int, prefill_tokens: int, drafting: bool,
+    def predict_extra(self, batch: int, extra: int, drafting: bool = True) -> float:
+        if extra <= 0:
+            return 0.0
+        bucket = _batch_bucket(batch)
+        known = [b for (b, d), c in self.extra.items() if d == drafting and c.mean]
+        if known:  # this batch size's curve, else the nearest one measured
+            nearest = min(known, key=lambda b: (abs(b - bucket), -b))
+            return max(0.0, self.extra[(nearest, drafting)].predict(extra))
+        if drafting:  # unmeasured: as without the drafter (optimistic, so it gets explored)
+            return self.predict_extra(batch, extra, False)
+        # Verify positions alone, unmeasured: as that many more plain rows.
+        return max(0.0, self.predict_plain(batch + extra) - self.predict_plain(batch))
+
+    def predict(self, batch: int, depths: list[int], prefill_tokens: int = 0,
+                drafting: bool = True) -> float:  # fmt: skip
+        plain = self.predict_plain(batch, prefill_tokens)
+        return plain + self.predict_extra(batch, self.extra_positions(depths), drafting)
+
+    def observe(self, batch: int, verify_tokens: int, prefill_tokens: int, drafting: bool,
                 seconds: float) -> None:  # fmt: skip
-        curve = self.drafting if drafting else self.plain
-        curve.observe(batch * width + prefill_tokens, seconds)
+        """One measured step: `verify_tokens` positions ran through the target for `batch`
+        rows (B when nobody drafted); `drafting`: a drafter forward ran."""
         self.samples += 1
-        self.widths_seen.add(width)
+        extra = verify_tokens - batch
+        if extra <= 0:
+            self.plain.observe(batch + prefill_tokens, seconds)
+            return
+        curve = self.extra.setdefault((_batch_bucket(batch), drafting), CostCurve())
+        curve.observe(extra, max(0.0, seconds - self.predict_plain(batch, prefill_tokens)))
+        self.max_extra_seen = max(self.max_extra_seen, extra if self.packed else extra // batch)
+
+    def explore_limit(self, batch: int) -> int:
+        """The most extra positions worth trying now: packed, twice the most measured;
+        padded, one depth beyond the widest measured (for every row)."""
+        if self.packed:
+            return max(1, 2 * self.max_extra_seen)
+        return batch * (self.max_extra_seen + 1)
 
 
 class AdaptiveDepthPolicy:
     """The goodput-maximising depth controller (see the module docstring)."""
 
-    def __init__(self, max_depth: int = 15, warmup_steps: int = 3) -> None:
+    def __init__(self, max_depth: int = 15, warmup_steps: int = 3, packed: bool = True) -> None:
         self.max_depth = max_depth
         self.acceptance = AcceptanceModel(max_depth)  # DFlash's
         self.lookup_acceptance = AcceptanceModel(max_depth, initial=LOOKUP_PRIOR_ACCEPTANCE)
         self.models = {DFLASH: self.acceptance, LOOKUP: self.lookup_acceptance}
-        self.cost = CostModel()
+        self.cost = CostModel(packed)
         self.warmup_steps = warmup_steps
         self.parked_reasons: dict[str, str] = {}
         self._probe_interval = PROBE_START
         self._steps_parked = 0
         self._probing = False
-        self._last_width = 1
+        self._steps = 0
+        self._last_drafted: dict[str, int] = {}  # request id -> step it last drafted
         self._active: set[str] = set()
         self._probes = 0
         self._last_batch = 1
@@ -212,6 +278,7 @@ class AdaptiveDepthPolicy:
     ) -> tuple[dict[str, int], dict[str, str]]:
         """Every row's depth and, where it drafts, its source (see the module docstring)."""
         self.parked_reasons = {}
+        self._steps += 1
         self._last_batch = max(1, len(requests))
         caps = {r.request_id: self._caps(r, options[r.request_id]) for r in requests}
         max_depth = max((c for cap in caps.values() for c in cap.values()), default=0)
@@ -219,44 +286,48 @@ class AdaptiveDepthPolicy:
             self.last_sources = {}
             return {r.request_id: 0 for r in requests}, {}
         batch = len(requests)
-        frontier = max(self.cost.widths_seen, default=0) - 1  # widest depth measured
-        limit = min(max_depth, frontier + 1)  # climb one position beyond what is known
+        limit = self.cost.explore_limit(batch)
         if self.cost.samples < self.warmup_steps:
-            limit = min(limit, 0 if self.cost.samples == 0 else 1)
-        # Price each width with DFlash allowed (drafter forward) and, when some row could
+            limit = 0 if self.cost.samples == 0 else 1
+        # Price every choice with DFlash allowed (drafter forward) and, when some row could
         # take it, once more without (lookup or plain rows only: no drafter forward).
         gains = self._gains(requests, caps)
         scenarios = [True] if any(DFLASH in g for g in gains.values()) else []
         if any(LOOKUP in g for g in gains.values()) or not scenarios:
             scenarios.append(False)
-        best, best_rate, table = ({}, {}), -1.0, []
-        for width in range(0, limit + 1):
-            for allow_dflash in scenarios:
-                picks = self._picks_at(gains, width, allow_dflash)
-                expected = sum(e for _, _, e in picks.values())
-                depths = {rid: d for rid, (_, d, _) in picks.items()}
-                drafting = any(s == DFLASH and d for s, d, _ in picks.values())
-                real_width = max(depths.values(), default=0)
-                cost = self.cost.predict(batch, real_width + 1, 0, drafting)
+        plain = self.cost.predict_plain(batch)
+        plain_rate = batch / plain
+        # Leaving the parked state takes a clear predicted gain: a noisy cost estimate must
+        # not pull a parked batch back into drafting step after step.
+        margin = 1.0 + (UNPARK_MARGIN if self._steps_parked else 0.0001)
+        best, best_rate, best_extra = None, plain_rate, 0
+        table = [(0, float(batch), round(plain, 5), False)]
+        for allow_dflash in scenarios:
+            for extra, expected, drafting, picks in self._candidates(
+                gains, allow_dflash, max_depth, limit
+            ):
+                cost = plain + self.cost.predict_extra(batch, extra, drafting)
                 rate = expected / cost
-                table.append((width, expected, cost, drafting))
-                if rate > best_rate * 1.0001:
-                    sources = {rid: s for rid, (s, d, _) in picks.items() if d}
-                    best, best_rate = (depths, sources), rate
-        choice, sources = best
-        best_width = max(choice.values(), default=0)
-        exploring = limit < max_depth and best_width == limit and limit > 0
+                table.append((extra, round(expected, 3), round(cost, 5), drafting))
+                if rate >= plain_rate * margin and rate > best_rate * 1.0001:
+                    best, best_rate, best_extra = picks, rate, extra
+        choice, sources = best() if best is not None else ({r.request_id: 0 for r in requests}, {})
+        exploring = best_extra >= limit > 0
         if not any(choice.values()):
             choice, sources = self._park_or_probe(requests, caps, reason="not_worth_it")
         else:
             self._steps_parked = 0
             if not self._probing:
                 self._probe_interval = PROBE_START
+        for request_id, depth in choice.items():
+            if depth:
+                self._last_drafted[request_id] = self._steps
         self.last_sources = dict(sources)
         self.last_choice = {
             "width": max(choice.values(), default=0),
+            "positions": sum(choice.values()),
             "exploring": exploring,
-            "candidates": table,
+            "candidates": table[:64],
             "depths": dict(choice),
             "sources": dict(sources),
         }
@@ -269,13 +340,14 @@ class AdaptiveDepthPolicy:
                 model = self.models.get(outcome.source or DFLASH, self.acceptance)
                 model.observe(request_id, outcome.drafted, outcome.accepted)
         if result.batch_size:
-            width = result.verify_tokens // result.batch_size
             seconds = result.forward_seconds or result.step_seconds
-            self.cost.observe(result.batch_size, width, result.prefill_tokens,
-                              result.drafted_rows > 0, seconds)  # fmt: skip
+            drafting = result.drafted_rows > 0  # a drafter forward ran
+            self.cost.observe(result.batch_size, result.verify_tokens, result.prefill_tokens,
+                              drafting, seconds)  # fmt: skip
             self.last_choice["measured"] = seconds
+            depths = [o.drafted for o in result.outcomes.values()]
             self.last_choice["predicted"] = self.cost.predict(
-                result.batch_size, width, result.prefill_tokens, result.drafted_rows > 0
+                result.batch_size, depths, result.prefill_tokens, drafting
             )
         if self._probing:
             self._probing = False
@@ -286,6 +358,7 @@ class AdaptiveDepthPolicy:
         for request_id in finished:
             for model in self.models.values():
                 model.forget(request_id)
+            self._last_drafted.pop(request_id, None)
         self._active = set(result.outcomes)
 
     # ----------------------------------------------------------------- internals
@@ -339,17 +412,70 @@ class AdaptiveDepthPolicy:
             picks[rid] = best
         return picks
 
+    def _candidates(self, gains: dict[str, dict[str, list[float]]], allow_dflash: bool,
+                    max_depth: int, limit: int):  # fmt: skip
+        """(extra positions, expected committed tokens, drafter forward?, picks thunk ->
+        (depths, sources)) of the drafting choices worth comparing, in growing order of extra
+        positions up to `limit`."""
+        if not self.cost.packed:  # padded: one width for everyone, capped per row
+            for width in range(1, max_depth + 1):
+                picks = self._picks_at(gains, width, allow_dflash)
+                depths = {rid: d for rid, (_, d, _) in picks.items()}
+                extra = self.cost.extra_positions(list(depths.values()))
+                if extra > limit:
+                    return
+                expected = sum(e for _, _, e in picks.values())
+                drafting = any(s == DFLASH and d for s, d, _ in picks.values())
+                sources = {rid: s for rid, (s, d, _) in picks.items() if d}
+                yield extra, expected, drafting, lambda d=depths, s=sources: (d, s)
+            return
+        # Packed: each row's source is the one with the most expected tokens (lookup first, so
+        # it wins ties); then every (row, position) by its chance of being accepted, best first
+        # (a row's chain only falls with depth, so its positions come in order).
+        marginals = []
+        for order, (rid, table) in enumerate(gains.items()):
+            source, row = None, [1.0]
+            for candidate in (LOOKUP, DFLASH):
+                cumulative = table.get(candidate)
+                if cumulative is None or (candidate == DFLASH and not allow_dflash):
+                    continue
+                if cumulative[-1] > row[-1]:
+                    source, row = candidate, cumulative
+            for k in range(1, len(row)):
+                marginals.append((row[k - 1] - row[k], order, rid, source))
+        marginals.sort()
+        total = min(len(marginals), limit)
+        expected, drafting = [float(len(gains))], [False]
+        for loss, _, _, source in marginals[:total]:
+            expected.append(expected[-1] - loss)
+            drafting.append(drafting[-1] or source == DFLASH)
+
+        def picks_at(extra: int) -> tuple[dict[str, int], dict[str, str]]:
+            depths, sources = dict.fromkeys(gains, 0), {}
+            for _, _, rid, source in marginals[:extra]:
+                depths[rid] += 1
+                sources[rid] = source
+            return depths, sources
+
+        for extra in _extra_grid(total):
+            yield extra, expected[extra], drafting[extra], lambda e=extra: picks_at(e)
+
     def _park_or_probe(self, requests: list[Request], caps: dict[str, dict[str, int]],
                        reason: str) -> tuple[dict[str, int], dict[str, str]]:  # fmt: skip
         self._steps_parked += 1
         if self._steps_parked % self._probe_interval == 0:
             self._probing = True
+            # Packed, a probe drafts one position for the few rows that drafted least recently,
+            # so every request is re-measured in turn at the cost of a few positions.
             self._probes += 1
+            eligible = [r.request_id for r in requests if caps[r.request_id]]
+            eligible.sort(key=lambda rid: self._last_drafted.get(rid, -1))
+            probed = set(eligible[:PROBE_ROWS]) if self.cost.packed else set(eligible)
             depths, sources = {}, {}
             for r in requests:
                 usable = [s for s in (DFLASH, LOOKUP) if s in caps[r.request_id]]
-                depths[r.request_id] = 1 if usable else 0
-                if usable:  # rotate, so every source gets probed again in time
+                depths[r.request_id] = 1 if usable and r.request_id in probed else 0
+                if depths[r.request_id]:  # rotate, so every source gets probed again in time
                     sources[r.request_id] = usable[self._probes % len(usable)]
             return depths, sources
         for r in requests:
@@ -364,7 +490,8 @@ class AdaptiveDepthPolicy:
         depth 1: its expected extra token against widening the latest batch's verify."""
         q = self.lookup_acceptance.estimate(request_id)[0]
         batch = max(1, self._last_batch)
-        plain, wider = self.cost.predict(batch, 1), self.cost.predict(batch, 2)
+        plain = self.cost.predict_plain(batch)
+        wider = self.cost.predict(batch, [1] + [0] * (batch - 1), drafting=False)
         return (batch + q) / batch > wider / plain
 
     def expects_plain_next(self) -> bool:
@@ -373,9 +500,16 @@ class AdaptiveDepthPolicy:
         return (self._steps_parked + 1) % self._probe_interval != 0
 
     def seed(self, samples: list[tuple[int, int, float]]) -> None:
-        """Seed the cost model with a warm-up profile: (batch, width, seconds) triples."""
-        for batch, width, seconds in samples:
-            self.cost.observe(batch, width, 0, False, seconds)
+        """Seed the cost model with a warm-up profile: (batch, width, seconds) triples of
+        target forwards (the one-position forward is a plain step; wider ones give the extra
+        of their positions without a drafter forward: optimistic for DFlash, which falls
+        back to it until measured, so the controller explores)."""
+        plain = {b for b, w, _ in samples if w == 1}
+        for batch, width, seconds in sorted(samples, key=lambda t: t[1]):
+            if width == 1 or batch not in plain:
+                self.cost.observe(batch, batch, 0, False, seconds)
+            else:
+                self.cost.observe(batch, batch * width, 0, False, seconds)
 
     def state(self) -> dict:
         """Inspectable state: prior, cost coefficients, last choice, probe cadence."""
@@ -386,10 +520,13 @@ class AdaptiveDepthPolicy:
                 round(CostCurve.center(b)): round(v, 5)
                 for b, v in sorted(self.cost.plain.mean.items())
             },
-            "cost_drafting": {
-                round(CostCurve.center(b)): round(v, 5)
-                for b, v in sorted(self.cost.drafting.mean.items())
+            "cost_extra": {
+                f"batch {2**batch}{' drafter' if drafting else ''}": {
+                    round(CostCurve.center(b)): round(v, 5) for b, v in sorted(curve.mean.items())
+                }
+                for (batch, drafting), curve in sorted(self.cost.extra.items())
             },
+            "packed": self.cost.packed,
             "cost_samples": self.cost.samples,
             "probe_interval": self._probe_interval,
             "steps_parked": self._steps_parked,

@@ -45,7 +45,9 @@ class ScriptedEngine(AsyncEngine):
     def _load(self):
         model, tokenizer = load_target_model(self.config.target)
         drafter = ScriptedDrafter(*self._scripted, strict=False)
-        return ModelRunner(TargetAdapter(model, [1]), drafter), tokenizer
+        packed = self.config.packed_verify
+        runner = ModelRunner(TargetAdapter(model, [1]), drafter, packed_verify=packed)
+        return runner, tokenizer
 
 
 def check_invariants(engine: AsyncEngine):

@@ -172,3 +172,19 @@ def test_take_rows_then_put_rows_round_trips_through_growth():
     assert keys[1, 0, :2, 0].tolist() == [4, 5]  # untouched row
     assert keys[2, 0, :303, 0].tolist() == [8, 9, 10] + [7] * 300
     assert cache.offset.tolist() == [5, 2, 303]
+
+
+def test_put_rows_of_a_contiguous_run_writes_those_rows_only():
+    """A run of adjacent rows goes back by a slice update (in place); others stay intact."""
+    cache = RaggedKVCache(4)
+    first = mx.arange(4 * 3, dtype=mx.float32).reshape(4, 1, 3, 1)
+    cache.write(first, first)
+    taken = cache.take_rows([1, 2])
+    extra = mx.full((2, 1, 2, 1), -1.0)
+    taken.write(extra, extra, counts=[2, 1])
+    cache.put_rows([1, 2], taken)
+    assert cache.lengths == [3, 5, 4, 3]
+    keys, values = cache.fetch()
+    assert keys[0, 0, :3, 0].tolist() == [0, 1, 2] and keys[3, 0, :3, 0].tolist() == [9, 10, 11]
+    assert keys[1, 0, :5, 0].tolist() == [3, 4, 5, -1, -1]
+    assert values[2, 0, :4, 0].tolist() == [6, 7, 8, -1]

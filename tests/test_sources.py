@@ -36,12 +36,19 @@ def requests(n: int) -> list[Request]:
 class TwoSourceSimulator:
     """Per (request, source) true acceptance per position; lookup usable only for requests
     with a match; step time from a verify cost curve plus the drafter forward's cost when any
-    row drafts by DFlash."""
+    row drafts by DFlash. The verify is padded (`cost(batch, widest + 1)`) or packed
+    (`cost(1, positions)`: every row only its own 1 + depth positions)."""
 
-    def __init__(self, acceptance, matched: set[str], cost, drafter_cost: float, seed=0):
+    def __init__(self, acceptance, matched: set[str], cost, drafter_cost: float, seed=0,
+                 packed: bool = False):  # fmt: skip
         self.acceptance, self.matched = acceptance, matched
         self.cost, self.drafter_cost = cost, drafter_cost
         self.rng = random.Random(seed)
+        self.packed = packed
+
+    def policy(self) -> AdaptiveDepthPolicy:
+        """A controller told the verify's shape this simulator prices."""
+        return AdaptiveDepthPolicy(packed=self.packed)
 
     def step(self, policy, reqs):
         options = {
@@ -67,9 +74,11 @@ class TwoSourceSimulator:
         dflash_rows = sum(
             1 for r in reqs if depths[r.request_id] and sources[r.request_id] == DFLASH
         )
-        seconds = self.cost(len(reqs), width) + (self.drafter_cost if dflash_rows else 0.0)
+        positions = sum(1 + d for d in depths.values()) if self.packed else len(reqs) * width
+        verify = self.cost(1, positions) if self.packed else self.cost(len(reqs), width)
+        seconds = verify + (self.drafter_cost if dflash_rows else 0.0)
         policy.observe(StepResult(
-            outcomes=outcomes, batch_size=len(reqs), verify_tokens=len(reqs) * width,
+            outcomes=outcomes, batch_size=len(reqs), verify_tokens=positions,
             drafted_rows=dflash_rows, step_seconds=seconds, phase_seconds={"forward": seconds},
         ))  # fmt: skip
         return depths, sources, dflash_rows
@@ -79,38 +88,49 @@ def run(sim, policy, reqs, steps):
     return [sim.step(policy, reqs) for _ in range(steps)]
 
 
-def test_each_row_takes_the_source_that_commits_more():
+@pytest.mark.parametrize("packed", [False, True])
+def test_each_row_takes_the_source_that_commits_more(packed):
     good, bad = [0.9] * 15, [0.05] * 15
     acceptance = {("r0", LOOKUP): good, ("r0", DFLASH): bad,
                   ("r1", LOOKUP): bad, ("r1", DFLASH): good}  # fmt: skip
-    sim = TwoSourceSimulator(acceptance, {"r0", "r1"}, lambda b, w: 0.1 + 0.002 * b * w, 0.005)
-    history = run(sim, AdaptiveDepthPolicy(), requests(2), 300)
+    sim = TwoSourceSimulator(
+        acceptance, {"r0", "r1"}, lambda b, w: 0.1 + 0.002 * b * w, 0.005, packed=packed
+    )
+    history = run(sim, sim.policy(), requests(2), 300)
     tail = history[-50:]
     assert sum(1 for _, s, _ in tail if s.get("r0") == LOOKUP) >= 45
     assert sum(1 for _, s, _ in tail if s.get("r1") == DFLASH) >= 45
 
 
-def test_lookup_alone_runs_without_the_drafter_when_its_forward_does_not_pay():
+@pytest.mark.parametrize("packed", [False, True])
+def test_lookup_alone_runs_without_the_drafter_when_its_forward_does_not_pay(packed):
     """r0 copies (lookup good); r1 has no match and DFlash helps it only a little, less than the
     drafter forward costs: r0 drafts by lookup, r1 decodes plainly, no drafter forward runs."""
     acceptance = {("r0", LOOKUP): [0.95] * 15, ("r0", DFLASH): [0.3] * 15,
                   ("r1", DFLASH): [0.3] * 15}  # fmt: skip
-    sim = TwoSourceSimulator(acceptance, {"r0"}, lambda b, w: 0.05 + 0.001 * b * w, 0.2)
-    history = run(sim, AdaptiveDepthPolicy(), requests(2), 300)
+    sim = TwoSourceSimulator(
+        acceptance, {"r0"}, lambda b, w: 0.05 + 0.001 * b * w, 0.2, packed=packed
+    )
+    history = run(sim, sim.policy(), requests(2), 300)
     tail = history[-50:]
     lookup_only = [h for h in tail if h[1].get("r0") == LOOKUP and h[2] == 0]
     assert len(lookup_only) >= 45
     assert all(h[0]["r1"] == 0 for h in lookup_only)
 
 
-def test_a_row_whose_lookup_fails_moves_to_dflash_and_both_park_when_neither_pays():
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_row_whose_lookup_fails_moves_to_dflash_and_both_park_when_neither_pays(packed):
     acceptance = {("r0", LOOKUP): [0.02] * 15, ("r0", DFLASH): [0.85] * 15}
-    sim = TwoSourceSimulator(acceptance, {"r0"}, lambda b, w: 0.1 + 0.002 * b * w, 0.005)
-    tail = run(sim, AdaptiveDepthPolicy(), requests(1), 300)[-50:]
+    sim = TwoSourceSimulator(
+        acceptance, {"r0"}, lambda b, w: 0.1 + 0.002 * b * w, 0.005, packed=packed
+    )
+    tail = run(sim, sim.policy(), requests(1), 300)[-50:]
     assert sum(1 for _, s, _ in tail if s.get("r0") == DFLASH) >= 45
     hopeless = {("r0", LOOKUP): [0.02] * 15, ("r0", DFLASH): [0.02] * 15}
-    sim = TwoSourceSimulator(hopeless, {"r0"}, lambda b, w: 0.03 + 0.02 * b * w, 0.01)
-    policy = AdaptiveDepthPolicy()
+    sim = TwoSourceSimulator(
+        hopeless, {"r0"}, lambda b, w: 0.03 + 0.02 * b * w, 0.01, packed=packed
+    )
+    policy = sim.policy()
     tail = run(sim, policy, requests(1), 400)[-100:]
     assert sum(1 for d, _, _ in tail if d["r0"]) <= 5  # parked, with rare probes
     assert not policy.wants_lookup("r0")

@@ -1,0 +1,251 @@
+"""Packed verify forward: every decoding row contributes exactly its own ``1 + depth`` positions.
+
+The padded verify (stock mlx-lm forward on ``[B, widest]``) makes every row pay for the widest
+row. Here all rows' positions form one packed sequence ``[1, N, H]`` (N = sum of widths) for
+everything that is per token (embedding, norms, q/k/v/o projections, MLP, LM head); only
+attention sees the rows. It runs the model's own submodules and weights (mlx-lm ``llama``,
+``qwen2``, ``qwen3``), so no weights are copied or converted.
+
+Attention (chosen by measurement on the 2-core CPU, see the README): each row's new K/V are
+written into its own `RaggedKVCache` slot at its own offset, and one SDPA runs over the
+``[B, heads, widest, T]`` layout with a per-row causal mask. Attention at decode sizes is
+bound by reading the cache, so its padded query rows cost next to nothing, while the per-token
+matmuls (the bulk of a step) follow N. RoPE runs on the packed ``[N, heads, 1, D]`` view with
+one position per token (`mx.fast.rope` takes a per-batch offset vector).
+
+`PackedLayout` is the one mapping between (row, verify position) and packed index; logits,
+features and samples come back packed ``[N, ...]`` and are read through it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.kv_cache import RaggedKVCache
+
+log = logging.getLogger(__name__)
+
+# mlx-lm model modules whose decoder layers have the structure `packed_forward` runs.
+SUPPORTED_MODULES = {"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"}
+_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each row's verify positions lie in the packed sequence.
+
+    Row b owns packed indices ``starts[b] .. starts[b] + widths[b] - 1``; its position i is
+    the token at cache position ``lengths[b] + i``. Position 0 is the row's anchor (the last
+    committed token), positions 1.. its drafts.
+    """
+
+    widths: tuple[int, ...]
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]  # each row's cache length before this forward
+
+    @classmethod
+    def build(cls, widths: list[int], lengths: list[int]) -> PackedLayout:
+        if len(widths) != len(lengths) or any(w < 1 for w in widths):
+            raise ValueError(f"need one width >= 1 per row, got {widths} for {len(lengths)} rows")
+        starts, total = [], 0
+        for w in widths:
+            starts.append(total)
+            total += w
+        return cls(tuple(widths), tuple(starts), tuple(lengths))
+
+    @property
+    def rows(self) -> int:
+        return len(self.widths)
+
+    @property
+    def total(self) -> int:
+        return sum(self.widths)
+
+    @property
+    def max_width(self) -> int:
+        return max(self.widths)
+
+    @property
+    def drafting_rows(self) -> list[int]:
+        return [b for b, w in enumerate(self.widths) if w > 1]
+
+    def index(self, row: int, position: int) -> int:
+        """Packed index of verify position `position` of `row`."""
+        if not 0 <= position < self.widths[row]:
+            raise IndexError(f"row {row} has {self.widths[row]} verify positions")
+        return self.starts[row] + position
+
+    def padded_index(self, rows: list[int], first: int, width: int) -> list[int]:
+        """Packed index of positions ``first .. first + width - 1`` of each of `rows`, flat
+        [len(rows) * width]; past a row's own width its last position is repeated."""
+        return [
+            self.starts[b] + min(first + i, self.widths[b] - 1) for b in rows for i in range(width)
+        ]
+
+    def positions(self) -> list[int]:
+        """Absolute (cache) position of every packed token, for RoPE."""
+        return [n + i for n, w in zip(self.lengths, self.widths) for i in range(w)]
+
+
+def packed_unsupported_reason(model: nn.Module, inner: nn.Module) -> str | None:
+    """Why `packed_forward` cannot run this model (None when it can)."""
+    module = type(model).__module__
+    if module not in SUPPORTED_MODULES:
+        return f"model module {module!r} is not one of {sorted(SUPPORTED_MODULES)}"
+    if getattr(model, "args", None) is None or not hasattr(inner, "norm"):
+        return "no model args or final norm"
+    for i, layer in enumerate(inner.layers):
+        missing = [p for p in _LAYER_PARTS if not hasattr(layer, p)]
+        missing += [p for p in _ATTN_PARTS if not hasattr(getattr(layer, "self_attn", None), p)]
+        if missing:
+            return f"layer {i} lacks {missing}"
+        if getattr(layer, "use_sliding", False):
+            return f"layer {i} uses sliding-window attention"
+    return None
+
+
+def verify_mask(lengths: list[int], first: int, width: int, key_length: int) -> mx.array:
+    """[R, 1, width, T] bool: verify position ``first + i`` of a row whose cache held
+    ``lengths[r]`` tokens sees that row's keys up to ``lengths[r] + first + i``: its prefix and
+    its own earlier verify positions. Rows are separate batch entries, so nothing of another
+    row is ever in reach."""
+    query = mx.array(lengths, dtype=mx.int32)[:, None, None, None] + first
+    query = query + mx.arange(width)[None, None, :, None]
+    return mx.arange(key_length)[None, None, None, :] <= query
+
+
+def row_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float
+) -> mx.array:
+    """Attention of each row's queries [R, h, W, D] over its own cache rows [R, kv, T, D]."""
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+class _Indices:
+    """The layout's index arrays and masks, built once per forward and shared by every layer.
+
+    Attention runs in two groups (measured fastest on CPU, see the README): every row's
+    anchor in one [B, h, 1, T] SDPA over the cache as it lies (exactly the plain step's
+    attention), and the drafted positions of the drafting rows in one [S, h, widest - 1, T]
+    SDPA over just those rows' cache (a slice or a small gather)."""
+
+    def __init__(self, layout: PackedLayout) -> None:
+        self.layout = layout
+        B = layout.rows
+        self.positions = mx.array(layout.positions(), dtype=mx.int32)
+        self.key_length = max(n + w for n, w in zip(layout.lengths, layout.widths))
+        all_rows = list(range(B))
+        self.write = mx.array(layout.padded_index(all_rows, 0, layout.max_width), dtype=mx.int32)
+        self.anchors = mx.array(layout.padded_index(all_rows, 0, 1), dtype=mx.int32)
+        self.anchor_mask = verify_mask(list(layout.lengths), 0, 1, self.key_length)
+        drafting = layout.drafting_rows
+        self.draft_width = layout.max_width - 1
+        self.drafting: slice | mx.array | None = None
+        pack = {layout.starts[b]: b for b in all_rows}  # anchor outputs come first
+        if drafting:
+            Wd = self.draft_width
+            self.drafts = mx.array(layout.padded_index(drafting, 1, Wd), dtype=mx.int32)
+            lengths = [layout.lengths[b] for b in drafting]
+            self.draft_mask = verify_mask(lengths, 1, Wd, self.key_length)
+            contiguous = drafting == list(range(drafting[0], drafting[-1] + 1))
+            self.drafting = (
+                slice(drafting[0], drafting[-1] + 1)
+                if contiguous
+                else mx.array(drafting, dtype=mx.int32)
+            )
+            for s, b in enumerate(drafting):
+                for i in range(1, layout.widths[b]):
+                    pack[layout.starts[b] + i] = B + s * Wd + (i - 1)
+        # Packed position -> row of [anchor outputs; drafted outputs].
+        self.pack = mx.array([pack[j] for j in range(layout.total)], dtype=mx.int32)
+
+
+def _heads(x: mx.array, index: mx.array, rows: int) -> mx.array:
+    """Packed heads [N, h, 1, D] -> [rows, h, W, D] gathered by a flat packed index."""
+    gathered = x[index]  # [rows * W, h, 1, D]
+    return gathered.reshape(rows, -1, x.shape[1], x.shape[3]).transpose(0, 2, 1, 3)
+
+
+def _attention(attn: nn.Module, x: mx.array, cache: RaggedKVCache, idx: _Indices) -> mx.array:
+    """The layer's attention on packed x [1, N, H], reading and writing the ragged cache."""
+    N = x.shape[1]
+    layout = idx.layout
+    queries = attn.q_proj(x).reshape(N, 1, attn.n_heads, -1)
+    keys = attn.k_proj(x).reshape(N, 1, attn.n_kv_heads, -1)
+    values = attn.v_proj(x).reshape(N, 1, attn.n_kv_heads, -1)
+    if hasattr(attn, "q_norm"):  # qwen3: per-head norms before RoPE
+        queries, keys = attn.q_norm(queries), attn.k_norm(keys)
+    # Every packed token is its own "batch" of length 1 at its own position.
+    queries = attn.rope(queries.transpose(0, 2, 1, 3), offset=idx.positions)
+    keys = attn.rope(keys.transpose(0, 2, 1, 3), offset=idx.positions)
+    values = values.transpose(0, 2, 1, 3)
+    # Each row's positions go to its own cache slot at its own offset (padding lands past
+    # the row's new length, in free space, and is never attended).
+    B = layout.rows
+    cache.write(_heads(keys, idx.write, B), _heads(values, idx.write, B), list(layout.widths))
+    cached_keys, cached_values = cache.fetch()
+    outputs = [
+        row_attention(
+            _heads(queries, idx.anchors, B), cached_keys, cached_values, idx.anchor_mask,
+            attn.scale,
+        ).reshape(B, -1)
+    ]  # fmt: skip
+    if idx.drafting is not None:
+        rows = idx.drafts.shape[0] // idx.draft_width
+        drafted = row_attention(
+            _heads(queries, idx.drafts, rows), cached_keys[idx.drafting],
+            cached_values[idx.drafting], idx.draft_mask, attn.scale,
+        )  # fmt: skip
+        outputs.append(drafted.transpose(0, 2, 1, 3).reshape(rows * idx.draft_width, -1))
+    out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+    return attn.o_proj(out[idx.pack][None])
+
+
+class PackedVerifier:
+    """Packed verify forward of a supported target (see the module docstring)."""
+
+    def __init__(self, target: Any) -> None:
+        reason = packed_unsupported_reason(target.model, target._inner)
+        if reason is not None:
+            raise ValueError(f"packed verify unsupported: {reason}")
+        self.target = target
+        self._inner = target._inner
+
+    def __call__(
+        self, tokens: mx.array, layout: PackedLayout, cache: list[RaggedKVCache]
+    ) -> tuple[mx.array, mx.array | None]:
+        """Forward packed `tokens` [N] laid out by `layout`; every row's K/V are appended to
+        its cache row. Returns logits [N, V] and tapped features [N, K*d] (or None)."""
+        if list(cache[0].lengths) != list(layout.lengths):
+            raise ValueError("layout lengths do not match the cache")
+        idx = _Indices(layout)
+        taps = set(self.target.layer_ids)
+        tapped: list[mx.array] = []
+        h = self._inner.embed_tokens(tokens[None])  # [1, N, H]
+        for i, (layer, layer_cache) in enumerate(zip(self._inner.layers, cache)):
+            h = h + _attention(layer.self_attn, layer.input_layernorm(h), layer_cache, idx)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in taps:
+                tapped.append(h[0])
+        logits = self.target.unembed(self._inner.norm(h))[0]
+        features = None
+        if tapped:  # recorded in layer order; the adapter's features follow its tap order
+            by_layer = dict(zip(sorted(taps), tapped))
+            ordered = [by_layer[i] for i in self.target.layer_ids]
+            features = ordered[0] if len(ordered) == 1 else mx.concatenate(ordered, axis=-1)
+        return logits, features
+
+
+def make_packed_verifier(target: Any) -> PackedVerifier | None:
+    """A packed verifier for `target`, or None (logged) when it must use the padded forward."""
+    reason = packed_unsupported_reason(target.model, target._inner)
+    if reason is not None:
+        log.info("packed verify off, using the padded forward: %s", reason)
+        return None
+    return PackedVerifier(target)

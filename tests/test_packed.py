@@ -1,0 +1,186 @@
+"""The packed verify forward: each row's own 1 + depth positions, one packed sequence.
+
+Its logits and features must equal the padded forward's and mlx-lm's own single-row forward
+(float32) for rows of different depths and lengths in one forward, leave each row's cache as
+the padded forward does, and never let a row see another row: a deliberately broken attention
+(rows mixed) or mask (later verify positions visible) must fail the same equality check.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import random
+
+import mlx.core as mx
+import pytest
+from factories import target_config
+
+import engine.packed as packed
+from engine import RaggedKVCache, TargetAdapter
+from engine.bundled.pair import bundled_paths
+from engine.loading import load_target_model
+from engine.packed import PackedLayout, PackedVerifier, make_packed_verifier
+
+TOLERANCE = 1e-4  # float32: the packed and padded forwards sum in different orders
+VOCAB = 300
+
+
+def _tiny_model(model_type: str, seed: int, tied: bool = False):
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    config = target_config(model_type, VOCAB, layers=4)
+    config["tie_word_embeddings"] = tied
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(
+    scope="module",
+    params=["llama", "qwen2", "qwen3", "qwen3-tied", "bundled"],
+)
+def target(request) -> TargetAdapter:
+    if request.param == "bundled":
+        model, _ = load_target_model(bundled_paths()[0])
+        return TargetAdapter(model, [1, 3, 5])
+    model_type = request.param.split("-")[0]
+    model = _tiny_model(model_type, seed=7, tied=request.param.endswith("tied"))
+    return TargetAdapter(model, [0, 2])
+
+
+def _batch(target: TargetAdapter, seed: int, depths: list[int]):
+    """Prompts of different lengths prefilled into one ragged cache, and verify tokens."""
+    rng = random.Random(seed)
+    vocab = min(target.vocab_size, VOCAB)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 30))] for _ in depths]
+    verify = [[rng.randrange(3, vocab) for _ in range(1 + d)] for d in depths]
+    return prompts, verify
+
+
+def _prefilled(target: TargetAdapter, prompts: list[list[int]]) -> list[RaggedKVCache]:
+    lengths = [len(p) for p in prompts]
+    longest = max(lengths)
+    cache = [RaggedKVCache(len(prompts)) for _ in target.layers]
+    target(mx.array([p + [0] * (longest - len(p)) for p in prompts]), cache)
+    for layer_cache in cache:
+        layer_cache.trim_rows([longest - n for n in lengths])
+    return cache
+
+
+def _packed(target: TargetAdapter, prompts, verify):
+    cache = _prefilled(target, prompts)
+    layout = PackedLayout.build([len(v) for v in verify], [len(p) for p in prompts])
+    tokens = mx.array([t for v in verify for t in v], dtype=mx.int32)
+    logits, features = PackedVerifier(target)(tokens, layout, cache)
+    return layout, logits, features, cache
+
+
+def _padded(target: TargetAdapter, prompts, verify):
+    cache = _prefilled(target, prompts)
+    width = max(len(v) for v in verify)
+    ids = mx.array([v + [0] * (width - len(v)) for v in verify], dtype=mx.int32)
+    logits, features = target(ids, cache)
+    for layer_cache in cache:
+        layer_cache.trim_rows([width - len(v) for v in verify])
+    return logits, features, cache
+
+
+def _max_error(target: TargetAdapter, prompts, verify) -> float:
+    """Largest difference of the packed forward from the padded forward and from mlx-lm's
+    cache-free single-row forward, over every row's real positions (logits and features)."""
+    layout, logits, features, _ = _packed(target, prompts, verify)
+    padded_logits, padded_features, _ = _padded(target, prompts, verify)
+    error = 0.0
+    for b, (prompt, tokens) in enumerate(zip(prompts, verify)):
+        w = len(tokens)
+        rows = slice(layout.starts[b], layout.starts[b] + w)
+        alone, alone_features = target(mx.array([prompt + tokens]))
+        for reference, got in (
+            (padded_logits[b, :w], logits[rows]),
+            (alone[0, -w:], logits[rows]),
+            (padded_features[b, :w], features[rows]),
+            (alone_features[0, -w:], features[rows]),
+        ):
+            error = max(error, float(mx.abs(reference - got).max()))
+    return error
+
+
+@pytest.mark.parametrize("depths", [[0, 3, 1, 0, 7, 2], [3] + [0] * 7, [2, 2, 5], [0, 0, 0, 0]])
+def test_packed_logits_equal_padded_and_single_row(target, depths):
+    prompts, verify = _batch(target, seed=len(depths), depths=depths)
+    assert _max_error(target, prompts, verify) < TOLERANCE
+
+
+def test_packed_forward_leaves_each_row_cache_as_the_padded_one(target):
+    """After the verify and a per-row rollback, the next step sees the same cache."""
+    depths = [0, 4, 1, 2]
+    prompts, verify = _batch(target, seed=11, depths=depths)
+    accepted = [0, 2, 1, 0]
+    layout, _, _, packed_cache = _packed(target, prompts, verify)
+    _, _, padded_cache = _padded(target, prompts, verify)
+    expected = [len(p) + len(v) for p, v in zip(prompts, verify)]
+    assert packed_cache[0].lengths == expected == padded_cache[0].lengths
+    for cache in (packed_cache, padded_cache):
+        for layer_cache in cache:
+            layer_cache.trim_rows([d - a for d, a in zip(depths, accepted)])
+    step = mx.array([[5], [6], [7], [8]], dtype=mx.int32)
+    after_packed, _ = target(step, packed_cache)
+    after_padded, _ = target(step, padded_cache)
+    assert float(mx.abs(after_packed - after_padded).max()) < TOLERANCE
+
+
+def test_layout_maps_rows_to_packed_positions():
+    layout = PackedLayout.build([1, 4, 2], [10, 3, 7])
+    assert layout.total == 7 and layout.max_width == 4 and layout.drafting_rows == [1, 2]
+    assert [layout.index(1, i) for i in range(4)] == [1, 2, 3, 4]
+    assert layout.index(2, 1) == 6
+    assert layout.positions() == [10, 3, 4, 5, 6, 7, 8]
+    assert layout.padded_index([0, 2], 0, 3) == [0, 0, 0, 5, 6, 6]
+    with pytest.raises(IndexError):
+        layout.index(0, 1)
+    with pytest.raises(ValueError):
+        PackedLayout.build([0, 1], [1, 1])
+
+
+def _rows_mixed(queries, keys, values, mask, scale):
+    """Broken: every row attends to its neighbour row's keys and values."""
+    keys, values = mx.roll(keys, 1, axis=0), mx.roll(values, 1, axis=0)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def _sees_later_positions(lengths, first, width, key_length):
+    """Broken: a verify position also sees its row's later verify positions."""
+    return mx.broadcast_to(
+        mx.arange(key_length)[None, None, None, :]
+        < mx.array(lengths)[:, None, None, None] + first + width + 3,
+        (len(lengths), 1, width, key_length),
+    )
+
+
+@pytest.mark.parametrize("broken", ["row_attention", "verify_mask"])
+def test_a_broken_row_boundary_fails_the_equality_check(monkeypatch, broken):
+    """Mutation test: the equality check above catches attention across rows and attention to
+    later verify positions (so it is not vacuous)."""
+    target = TargetAdapter(_tiny_model("qwen3", seed=7), [0, 2])
+    prompts, verify = _batch(target, seed=6, depths=[0, 3, 1, 0, 7, 2])
+    assert _max_error(target, prompts, verify) < TOLERANCE
+    variant = _rows_mixed if broken == "row_attention" else _sees_later_positions
+    monkeypatch.setattr(packed, broken, variant)
+    assert _max_error(target, prompts, verify) > 100 * TOLERANCE
+
+
+def test_other_models_fall_back_to_the_padded_forward_with_a_reason(caplog):
+    gemma = importlib.import_module("mlx_lm.models.gemma")
+    config = target_config("gemma", VOCAB, layers=2)
+    model = gemma.Model(gemma.ModelArgs.from_dict(config))
+    target = TargetAdapter(model, [1])
+    with caplog.at_level(logging.INFO, logger="engine.packed"):
+        assert make_packed_verifier(target) is None
+    assert "padded forward" in caplog.text and "mlx_lm.models.gemma" in caplog.text
+    # A supported family with a sliding-window layer falls back too.
+    llama = _tiny_model("llama", seed=1)
+    llama.model.layers[1].use_sliding = True
+    reason = packed.packed_unsupported_reason(llama, llama.model)
+    assert reason is not None and "sliding" in reason
+    assert TargetAdapter(_tiny_model("qwen2", seed=1), [1]).packed_verifier() is not None

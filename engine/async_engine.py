@@ -25,7 +25,9 @@ import msgspec
 from drafters.lookup import LookupDrafter
 from engine.config import EngineConfig
 from engine.errors import EngineClosed, InvalidRequest
+from engine.logprobs import TokenLogprob
 from engine.models.resolve import display_name
+from engine.prefix_cache import PrefixIndex
 from engine.sampling import SamplingParams
 from engine.stopping import StopChecker
 from metrics import EngineMetrics
@@ -48,12 +50,19 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not prefilled)
     completion_tokens: int = 0
     drafted_tokens: int = 0  # speculation stats so far
     accepted_tokens: int = 0
     verify_steps: int = 0
     drafted_by_source: dict[str, int] = msgspec.field(default_factory=dict)  # "dflash", "lookup"
     accepted_by_source: dict[str, int] = msgspec.field(default_factory=dict)
+    # With SamplingParams.logprobs set: one entry per token of `token_ids` (the target's raw
+    # log-probability and the top alternatives); None otherwise.
+    logprobs: list[TokenLogprob] | None = None
+    # With SamplingParams.prompt_logprobs set, on the first delta only: one entry per prompt
+    # token (None for the first, which nothing predicts).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def _log_failure(future: Any) -> None:
@@ -119,8 +128,13 @@ class AsyncEngine:
                 if self._runner.max_depth:
                     profile = await loop.run_in_executor(self._executor, self._runner.profile)
                     self._policy.seed(profile)
+        prefix = None
+        if self.config.prefix_cache_bytes:
+            self._runner.prefix_caching = True
+            per_token = self._runner.prefix_bytes_per_token()
+            prefix = PrefixIndex(self.config.prefix_cache_bytes, per_token)
         self.scheduler = Scheduler(
-            limits, self._policy, self._runner.max_depth, self._runner.source_depths
+            limits, self._policy, self._runner.max_depth, self._runner.source_depths, prefix
         )
         self._accepting = True
         self._loop_task = asyncio.create_task(self._run(), name="flashbatch-scheduler")
@@ -281,6 +295,11 @@ class AsyncEngine:
             if plan.empty:
                 await asyncio.sleep(0)
                 continue
+            if scheduler.prefix is not None and plan.admissions:
+                self.metrics.on_prefix_lookups(
+                    sum(len(a.prompt_ids) for a in plan.admissions),
+                    sum(a.prefix_tokens for a in plan.admissions),
+                )
             self._step_in_flight = True
             try:
                 result = await loop.run_in_executor(self._executor, self._runner.execute, plan)
@@ -318,6 +337,12 @@ class AsyncEngine:
             return
         tokens = request.stop.token_ids
         new_tokens = tokens[request.sent_tokens :]
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and request.sent_tokens == 0 and new_tokens:
+            prompt_logprobs = request.prompt_logprobs
+        new_logprobs = None
+        if request.logprobs is not None:
+            new_logprobs = request.logprobs[request.sent_tokens : len(tokens)]
         text = request.stop.text
         visible = len(text)
         if not request.finished and request.params.stop:
@@ -344,12 +369,15 @@ class AsyncEngine:
             finished=request.finished,
             finish_reason=request.finish_reason,
             prompt_tokens=len(request.prompt_ids),
+            cached_tokens=request.cached_tokens,
             completion_tokens=len(tokens),
             drafted_tokens=request.drafted,
             accepted_tokens=request.accepted,
             verify_steps=request.verify_steps,
             drafted_by_source=dict(request.drafted_by),
             accepted_by_source=dict(request.accepted_by),
+            logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         try:
             stream.send_nowait(output)
@@ -368,3 +396,7 @@ class AsyncEngine:
     def kv_bytes(self) -> int:
         """KV cache bytes held by the runner (read between steps)."""
         return self._runner.kv_bytes if self._runner is not None else 0
+
+    def prefix_cache_bytes(self) -> int:
+        """Bytes held by the prefix cache's entries (read between steps)."""
+        return self._runner.prefix_cache_bytes if self._runner is not None else 0

@@ -182,6 +182,7 @@ def _serve(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         draft_sources=args.draft_sources,
+        prefix_cache_bytes=args.prefix_cache_bytes,
     )
     settings = ServerSettings(
         api_key=args.api_key,
@@ -259,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--prefill-chunk-tokens", type=int, default=_env("PREFILL_CHUNK_TOKENS", 256, int)
+    )
+    srv.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=_env("PREFIX_CACHE_BYTES", 512 << 20, int),
+        help="prefix cache budget in bytes (finished requests' KV, reused by later prompts "
+        "that start the same way); 0 = off",
     )
     srv.add_argument("--max-body-bytes", type=int, default=_env("MAX_BODY_BYTES", 1 << 20, int))
     srv.add_argument("--max-tokens-cap", type=int, default=_env("MAX_TOKENS_CAP", 4096, int))

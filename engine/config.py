@@ -17,6 +17,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None  # context limit; default: the target's max positions
     prefill_chunk_tokens: int = 256  # prompt tokens per step, so prefills do not stall decoders
     kv_cache_bytes: int = 4 << 30  # target KV cache budget for admitted requests
+    # Automatic prefix caching: finished requests' KV (and drafter features) kept in an LRU
+    # of this many bytes, reused by prompts that start the same way; 0 = off.
+    prefix_cache_bytes: int = 512 << 20
     # None: the adaptive depth controller; a number: that fixed depth for everyone (0 = off)
     num_speculative_tokens: int | None = None
     # Verify rows packed (each row pays for its own 1 + depth positions) where the target's
@@ -36,6 +39,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("max_num_seqs must be >= 1")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError("prefix_cache_bytes must be >= 0 (0 turns the prefix cache off)")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
         if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram:

@@ -169,6 +169,20 @@ class RaggedKVCache:
                 taken.keys, taken.values = self.keys[index], self.values[index]
         return taken
 
+    @classmethod
+    def from_prefix(cls, keys: mx.array, values: mx.array, length: int,
+                    capacity: int) -> RaggedKVCache:  # fmt: skip
+        """A one-row cache holding the first ``length`` positions of ``keys``/``values``
+        ([1, H, >= length, D], e.g. a cached prefix), copied once into a buffer with room for
+        ``capacity`` positions. The source arrays are never written."""
+        cache = cls(1)
+        room = max(capacity, length)
+        room = ((room + cls.step - 1) // cls.step) * cls.step
+        cache.keys = _pad_capacity(keys[:, :, :length, :], room)
+        cache.values = _pad_capacity(values[:, :, :length, :], room)
+        cache.lengths = [length]
+        return cache
+
     def put_rows(self, rows: list[int], taken: RaggedKVCache) -> None:
         """Write ``taken`` (from `take_rows`, since grown) back into ``rows``."""
         if taken.keys is not None:

@@ -1,7 +1,13 @@
 """OpenAI-compatible request schemas and response bodies (msgspec; unknown fields ignored).
 
 Only what the engine can honour is accepted; anything else gets a clear 400 rather than being
-silently dropped (n > 1, logprobs, echo, batched prompts).
+silently dropped (n > 1, batched prompts).
+
+Logprobs follow OpenAI's shapes: completions `logprobs: n` (0-5) gives
+`{tokens, token_logprobs, top_logprobs, text_offset}`; chat `logprobs: true` with
+`top_logprobs: n` (0-20) gives `{content: [{token, logprob, bytes, top_logprobs}]}`. Values are
+the target's raw log-probabilities (before temperature and top-p, vLLM's default). With echo,
+completions' logprobs start with the prompt's own tokens (the first has none).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 import msgspec
 
 from engine.errors import InvalidRequest
+from engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from engine.sampling import SamplingParams
 from scheduler.sources import parse_sources
 
@@ -104,8 +111,6 @@ def sampling_params(request: _SamplingFields, max_tokens: int) -> SamplingParams
         raise InvalidRequest(
             f"n={request.n} is not supported: this server returns one choice (n=1)"
         )
-    if request.logprobs not in (None, False, 0) or request.top_logprobs:
-        raise InvalidRequest("logprobs are not supported by this server")
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     top_k = request.top_k if request.top_k is not None else 0
     params = SamplingParams(
@@ -120,6 +125,9 @@ def sampling_params(request: _SamplingFields, max_tokens: int) -> SamplingParams
         ignore_eos=request.ignore_eos,
         num_speculative_tokens=request.num_speculative_tokens,
         draft_sources=_draft_sources(request.draft_sources),
+        logprobs=(logprobs := requested_logprobs(request)),
+        # echo with logprobs: the prompt's own (completions only)
+        prompt_logprobs=logprobs if getattr(request, "echo", False) else None,
     )
     return params
 
@@ -129,6 +137,37 @@ def _draft_sources(names: list[str] | None) -> list[str] | None:
         return parse_sources(names)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
+
+
+COMPLETION_MAX_LOGPROBS = 5  # OpenAI's limit for /v1/completions
+
+
+def requested_logprobs(request: _SamplingFields) -> int | None:
+    """Alternatives per token the request asks for (None: no logprobs), checked against
+    OpenAI's rules for its endpoint."""
+    if isinstance(request, ChatCompletionRequest):
+        if request.logprobs in (None, False):
+            if request.top_logprobs:
+                raise InvalidRequest("top_logprobs needs logprobs: true")
+            return None
+        if request.logprobs is not True:
+            raise InvalidRequest("logprobs must be true or false for chat completions")
+        top = request.top_logprobs or 0
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {top}")
+        return top
+    if request.top_logprobs:
+        raise InvalidRequest("completions take logprobs: <n> (top_logprobs is for chat)")
+    value = request.logprobs
+    if value is None or value is False:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"logprobs must be an integer in 0..{COMPLETION_MAX_LOGPROBS}")
+    if not 0 <= value <= COMPLETION_MAX_LOGPROBS:
+        raise InvalidRequest(
+            f"logprobs must be in 0..{COMPLETION_MAX_LOGPROBS} for completions, got {value}"
+        )
+    return value
 
 
 def single_prompt(prompt: Any) -> str | list[int]:
@@ -167,11 +206,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        # OpenAI's field: prompt tokens served from the prefix cache
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -190,17 +231,81 @@ def speculation(output: Any) -> dict[str, Any]:
     }
 
 
-def completion_body(rid: str, model: str, text: str, output: Any, chat: bool) -> dict:
+class LogprobsFormatter:
+    """Turns a request's TokenLogprobs into OpenAI's logprobs objects, delta by delta (a
+    completion's `text_offset` runs on across the deltas of a stream)."""
+
+    def __init__(self, tokenizer: Any, chat: bool, text_offset: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.text_offset = text_offset
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def format(self, entries: list[TokenLogprob]) -> dict:
+        return self._chat(entries) if self.chat else self._completion(entries)
+
+    def _chat(self, entries: list[TokenLogprob]) -> dict:
+        def item(token_id: int, logprob: float) -> dict:
+            text = self._text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = []
+        for entry in entries:
+            top = [item(t, v) for t, v in entry.top]
+            content.append({**item(entry.token_id, entry.logprob), "top_logprobs": top})
+        return {"content": content, "refusal": None}
+
+    def _completion(self, entries: list[TokenLogprob]) -> dict:
+        return self._completion_items([(e.token_id, e) for e in entries])
+
+    def format_prompt(self, prompt_ids: list[int], entries: list[TokenLogprob | None]) -> dict:
+        """Echo with logprobs: the prompt's tokens, the first one without a logprob."""
+        items = [(t, entries[i] if i < len(entries) else None) for i, t in enumerate(prompt_ids)]
+        return self._completion_items(items)
+
+    def _completion_items(self, items: list[tuple[int, TokenLogprob | None]]) -> dict:
+        tokens, values, tops, offsets = [], [], [], []
+        for token_id, entry in items:
+            text = self._text(token_id)
+            tokens.append(text)
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+            if entry is None:
+                values.append(None)
+                tops.append(None)
+                continue
+            values.append(entry.logprob)
+            # OpenAI: the sampled token is always listed, so up to n + 1 entries.
+            top = {self._text(t): v for t, v in entry.top}
+            top.setdefault(text, entry.logprob)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}  # fmt: skip
+
+
+def join_logprobs(first: dict | None, second: dict) -> dict:
+    """A completion's prompt logprobs (echo) followed by its generated tokens'."""
+    if first is None:
+        return second
+    return {key: first[key] + second[key] for key in second}
+
+
+def completion_body(rid: str, model: str, text: str, output: Any, chat: bool,
+                    logprobs: dict | None = None) -> dict:  # fmt: skip
     created = int(time.time())
     if chat:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
             "finish_reason": output.finish_reason,
         }
         kind = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": output.finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs,
+                  "finish_reason": output.finish_reason}  # fmt: skip
         kind = "text_completion"
     return {
         "id": rid,
@@ -208,23 +313,26 @@ def completion_body(rid: str, model: str, text: str, output: Any, chat: bool) ->
         "created": created,
         "model": model,
         "choices": [choice],
-        "usage": usage(output.prompt_tokens, output.completion_tokens),
+        "usage": usage(output.prompt_tokens, output.completion_tokens, output.cached_tokens),
         "flashbatch": speculation(output),
     }
 
 
 def chunk_body(rid: str, model: str, created: int, chat: bool, text: str | None,
-               finish_reason: str | None, role: bool = False) -> dict:  # fmt: skip
+               finish_reason: str | None, role: bool = False,
+               logprobs: dict | None = None) -> dict:  # fmt: skip
     if chat:
         delta: dict[str, str] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish_reason}  # fmt: skip
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs,
+                  "finish_reason": finish_reason}  # fmt: skip
         kind = "text_completion"
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
 
@@ -237,7 +345,7 @@ def usage_chunk(rid: str, model: str, created: int, chat: bool, output: Any) -> 
         "created": created,
         "model": model,
         "choices": [],
-        "usage": usage(output.prompt_tokens, output.completion_tokens),
+        "usage": usage(output.prompt_tokens, output.completion_tokens, output.cached_tokens),
         "flashbatch": speculation(output),
     }
 

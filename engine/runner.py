@@ -34,8 +34,10 @@ import mlx.core as mx
 
 from drafters.base import Drafter, DraftSession
 from drafters.lookup import LookupDrafter, LookupSession
+from engine import logprobs as token_logprobs
 from engine.kv_cache import RaggedKVCache
 from engine.packed import PackedLayout
+from engine.prefix_cache import PrefixEntry, PrefixSave
 from engine.sampling import SamplingParams, request_key, sample
 from engine.target import TargetAdapter
 from scheduler.plan import Admission, RowOutcome, StepPlan, StepResult
@@ -62,6 +64,10 @@ class _RowState:
     lookup_match: int = 0  # longest earlier match of the suffix ending at the anchor
     prefill_cache: list[RaggedKVCache] | None = None
     prefill_features: list[mx.array] = field(default_factory=list)
+    # With prefix caching and a drafter: the target features of the row's cache positions
+    # (with its KV, what a finished row leaves in the prefix cache for the drafter).
+    feature_log: list[mx.array] = field(default_factory=list)
+    feature_tail: int = 0  # step slices at the end of the log, not yet merged
 
     def next_key(self) -> mx.array | None:
         if self.key is None:
@@ -82,6 +88,8 @@ class _Decode:
     drafted_rows: int  # rows in the drafter forward
     sources: list[str | None] = field(default_factory=list)  # per row (None: no drafts)
     lookup_rows: int = 0
+    logprobs: token_logprobs.LazyLogprobs | None = None  # rows that asked for them
+
     # Packed verify: where row b's verify position i lies in the packed logits/features
     # (`layout.index(b, i)`); None when the forward was padded to `width + 1` per row.
     layout: PackedLayout | None = None
@@ -105,6 +113,11 @@ class _Decode:
         if self.layout is None:
             return len(self.depths) * (self.width + 1)
         return self.layout.total
+
+    def arrays(self) -> list[mx.array]:
+        """What the step's sync must resolve."""
+        extra = self.logprobs.arrays() if self.logprobs is not None else []
+        return [self.targets, self.accepted, *extra]
 
 
 @dataclass
@@ -156,6 +169,11 @@ class ModelRunner:
         self.rows: list[str] = []  # request ids in batch-row order
         self.states: dict[str, _RowState] = {}
         self._lookahead: _Lookahead | None = None
+        self._first_logprobs: list[token_logprobs.LazyLogprobs] = []  # this step's
+        # Prefix cache entries by id (the scheduler's PrefixIndex decides what is kept).
+        self.prefix_entries: dict[int, PrefixEntry] = {}
+        self.prefix_caching = False  # the engine turns it on with a budget
+        self._to_eval: list[mx.array] = []  # new entries and compacted logs, for the sync
 
     @property
     def source_depths(self) -> dict[str, int]:
@@ -175,13 +193,19 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
         lookahead, self._lookahead = self._lookahead, None
+        for save in plan.prefix_saves:  # before the rows leave
+            self._save_prefix(save, ahead=lookahead is not None)
         self._remove(plan.removals)
         if lookahead is not None:
             lookahead.select(self.rows)
         for admission in plan.admissions:
             self._admit(admission)
+        for entry_id in plan.prefix_drops:  # after the admissions copied from them
+            del self.prefix_entries[entry_id]
 
         first_tokens: dict[str, mx.array] = {}
+        self._first_logprobs = first_logprobs = []  # of first tokens, for requests that asked
+        self._prompt_logprobs: list[token_logprobs.LazyLogprobs] = []
         whole = [c for c in plan.prefills if c.start == 0 and c.last]
         together = {c.request_id for c in whole} if len(whole) > 1 else set()
         if together:  # whole prompts: one batched forward (short prompts are common)
@@ -194,10 +218,14 @@ class ModelRunner:
             logits, features = self.target(ids, state.prefill_cache)
             if features is not None:
                 state.prefill_features.append(features[0])
+            if state.params.prompt_logprobs is not None:
+                self._prompt_logprobs_of(state, logits[0], chunk.start, chunk.end, chunk.last)
             if chunk.last:
-                first_tokens[chunk.request_id] = sample(
+                first_tokens[chunk.request_id] = token = sample(
                     logits[0, -1:], state.params, state.next_key()
                 )[0]
+                if state.params.logprobs is not None:
+                    first_logprobs.append(_logprobs_of([state], logits[:, -1:], token[None, None]))
         prefill_tokens = sum(c.end - c.start for c in plan.prefills)
 
         self._draft_seconds = 0.0
@@ -213,15 +241,23 @@ class ModelRunner:
         # The step's one host synchronisation.
         mx.eval(
             list(first_tokens.values()),
-            [] if decode is None else [decode.targets, decode.accepted],
+            [a for lazy in first_logprobs + self._prompt_logprobs for a in lazy.arrays()],
+            [] if decode is None else decode.arrays(),
             [c.state for s in self.states.values() if s.prefill_cache for c in s.prefill_cache],
+            self._to_eval,
         )
+        self._to_eval = []
         computed = time.perf_counter()
 
         result = StepResult(prefill_tokens=prefill_tokens)
         if decode is not None:
             self._commit(decode, result)
         result.first_tokens = {r: int(token.item()) for r, token in first_tokens.items()}
+        for lazy in first_logprobs:
+            for request_id, (first,) in lazy.to_host().items():
+                result.first_logprobs[request_id] = first
+        for lazy in self._prompt_logprobs:
+            result.prompt_logprobs.update(lazy.to_host())
         self._join(result.first_tokens)
         result.lookup_matches = {r: self.states[r].lookup_match for r in self.rows}
         if plan.lookahead and self.rows and not self._lookup_due(plan.lookup_watch):
@@ -261,9 +297,27 @@ class ModelRunner:
             state.prefill_cache = [batched.take_rows([row]) for batched in cache]
             if features is not None:
                 state.prefill_features.append(features[row, :n])
-            first_tokens[state.request_id] = sample(
+            if state.params.prompt_logprobs is not None:
+                self._prompt_logprobs_of(state, logits[row], 0, n, True)
+            first_tokens[state.request_id] = token = sample(
                 logits[row, n - 1 : n], state.params, state.next_key()
             )[0]
+            if state.params.logprobs is not None:
+                self._first_logprobs.append(
+                    _logprobs_of([state], logits[row : row + 1, n - 1 : n], token[None, None])
+                )
+
+    def _prompt_logprobs_of(self, state: _RowState, logits: mx.array, start: int, end: int,
+                            last: bool) -> None:  # fmt: skip
+        """Lazy logprobs of the prompt tokens a chunk's logits [>= end - start, V] predict: row
+        i predicts token start + i + 1 (a last chunk's final row predicts the first generated
+        token instead, which `first_logprobs` covers)."""
+        rows = end - start - (1 if last else 0)
+        if rows > 0:
+            tokens = mx.array([state.prompt_ids[start + 1 : start + 1 + rows]], dtype=mx.int32)
+            wanted = [state.params.prompt_logprobs]
+            lazy = token_logprobs.compute(logits[None, :rows], tokens, [state.request_id], wanted)
+            self._prompt_logprobs.append(lazy)
 
     # ----------------------------------------------------------------- lookahead
     def _lookup_due(self, watched: set[str]) -> bool:
@@ -286,7 +340,7 @@ class ModelRunner:
         lookahead = self._lookahead
         if lookahead is not None and not lookahead.eval_seconds:
             started = time.perf_counter()
-            mx.eval(lookahead.decode.targets)
+            mx.eval(lookahead.decode.arrays())
             lookahead.eval_seconds = time.perf_counter() - started
 
     def _discard(self, lookahead: _Lookahead) -> None:
@@ -333,8 +387,15 @@ class ModelRunner:
             accepted = _accepted(drafts, targets, depths)
         else:
             accepted = mx.zeros((len(states),), dtype=mx.int32)
-        return _Decode(depths, width, targets, accepted, features, len(drafting),
-                       sources, len(lookup_drafts))  # fmt: skip
+        decode = _Decode(depths, width, targets, accepted, features, len(drafting),
+                         sources, len(lookup_drafts))  # fmt: skip
+        asking = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        if asking:  # only rows that asked pay for the log-softmax
+            index = mx.array(asking, dtype=mx.int32)
+            decode.logprobs = _logprobs_of(
+                [states[i] for i in asking], logits[index], targets[index]
+            )
+        return decode
 
     def _verify_packed(
         self, states: list[_RowState], depths: list[int], drafts: mx.array
@@ -360,7 +421,14 @@ class ModelRunner:
         by_row = mx.array(layout.padded_index(list(range(B)), 0, width + 1), dtype=mx.int32)
         targets = packed_targets[by_row].reshape(B, width + 1)
         accepted = _accepted(drafts, targets, depths)
-        return _Decode(depths, width, targets, accepted, features, 0, layout=layout)
+        decode = _Decode(depths, width, targets, accepted, features, 0, layout=layout)
+        asking = [b for b, s in enumerate(states) if s.params.logprobs is not None]
+        if asking:  # their positions, padded like `targets` (the padding is never committed)
+            index = mx.array(layout.padded_index(asking, 0, width + 1), dtype=mx.int32)
+            rows = logits[index].reshape(len(asking), width + 1, logits.shape[-1])
+            picked = targets[mx.array(asking, dtype=mx.int32)]
+            decode.logprobs = _logprobs_of([states[b] for b in asking], rows, picked)
+        return decode
 
     def _row_source(
         self, request_id: str, depth_by_id: dict[str, int], source_by_id: dict[str, str]
@@ -409,6 +477,7 @@ class ModelRunner:
     def _commit(self, decode: _Decode, result: StepResult) -> None:
         targets = decode.targets.tolist()
         accepted = decode.accepted.tolist()
+        logprobs = decode.logprobs.to_host() if decode.logprobs is not None else {}
         trims = decode.trims(accepted)
         for layer_cache in self.cache:
             layer_cache.trim_rows(trims)
@@ -421,13 +490,19 @@ class ModelRunner:
             cached = [state.anchor] + committed[:a]  # positions now in the target cache
             if state.session is not None:
                 self.drafter.commit(state.session, decode.row_features(i, a + 1), cached)
+            if self.prefix_caching and self.drafter is not None and decode.features is not None:
+                # kept even for a row that does not draft with DFlash: a later hit may
+                self._log_features(state, decode.row_features(i, a + 1))
             state.anchor = committed[-1]
             if state.lookup is not None:
                 self.lookup.commit(state.lookup, None, cached)
                 if source == LOOKUP:
                     self.lookup.record(state.lookup, decode.depths[i], a)
                 state.lookup_match = self.lookup.match_length(state.lookup, state.anchor)
-            result.outcomes[request_id] = RowOutcome(committed, decode.depths[i], a, source)
+            outcome = RowOutcome(committed, decode.depths[i], a, source)
+            if request_id in logprobs:
+                outcome.logprobs = logprobs[request_id][: a + 1]
+            result.outcomes[request_id] = outcome
         result.batch_size = len(self.rows)
         result.verify_tokens = decode.verify_tokens
         result.drafted_rows = decode.drafted_rows
@@ -436,13 +511,68 @@ class ModelRunner:
     # ----------------------------------------------------------------- membership
     def _admit(self, admission: Admission) -> None:
         params = admission.params
-        self.states[admission.request_id] = _RowState(
+        state = _RowState(
             request_id=admission.request_id,
             prompt_ids=list(admission.prompt_ids),
             params=params,
             key=None if params.greedy else request_key(params.seed),
             prefill_cache=[RaggedKVCache(1) for _ in self.target.layers],
         )
+        if admission.prefix_entry is not None:
+            # A prefix cache hit: one copy of the entry's first positions into the request's
+            # own cache (room for the whole prompt); the entry itself is never written.
+            entry, n = self.prefix_entries[admission.prefix_entry], admission.prefix_tokens
+            if entry.features is None and self.drafter is not None and self.target.layer_ids:
+                raise RuntimeError("a prefix entry without the features its drafter reads")
+            room = len(state.prompt_ids) + 1
+            state.prefill_cache = [
+                RaggedKVCache.from_prefix(k, v, n, room) for k, v in zip(entry.keys, entry.values)
+            ]
+            if entry.features is not None:
+                # The drafter gets these rows at the join, as after a cold prefill.
+                state.prefill_features.append(entry.features[:n])
+        self.states[admission.request_id] = state
+
+    # ----------------------------------------------------------------- prefix cache
+    def _log_features(self, state: _RowState, features: mx.array) -> None:
+        """Keep the features of positions that just entered the row's cache."""
+        state.feature_log.append(features)
+        state.feature_tail += 1
+        if state.feature_tail >= 64:
+            # One array instead of many slices that each keep a whole step's features alive
+            # (only the tail is merged, so no row is copied twice).
+            merged = mx.concatenate(state.feature_log[-state.feature_tail :], axis=0)
+            state.feature_log[-state.feature_tail :] = [merged]
+            state.feature_tail = 0
+            self._to_eval.append(merged)
+
+    def _save_prefix(self, save: PrefixSave, ahead: bool) -> None:
+        """Copy a finished row's first `save.length` cache positions into a new entry."""
+        state = self.states[save.request_id]
+        row = self.rows.index(save.request_id)
+        n = save.length
+        committed = self.cache[0].lengths[row] - (1 if ahead else 0)  # a lookahead's is not
+        if n > committed:
+            raise RuntimeError(f"prefix save of {n} positions from a row of {committed}")
+        keys = [mx.contiguous(c.keys[row : row + 1, :, :n, :]) for c in self.cache]
+        values = [mx.contiguous(c.values[row : row + 1, :, :n, :]) for c in self.cache]
+        features = None
+        if state.feature_log:
+            features = mx.concatenate(state.feature_log, axis=0)[:n]
+        entry = PrefixEntry(keys, values, features, n)
+        self.prefix_entries[save.entry_id] = entry
+        self._to_eval += entry.arrays()
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return sum(e.nbytes for e in self.prefix_entries.values())
+
+    def prefix_bytes_per_token(self) -> int:
+        """Bytes one cached prefix position costs: target KV, plus features with a drafter."""
+        features = 0
+        if self.drafter is not None and self.target.layer_ids:
+            features = self.target.hidden_size * len(self.target.layer_ids) * self.target.dtype.size
+        return self.bytes_per_token() + features
 
     def _join(self, first_tokens: dict[str, int]) -> None:
         """Prefilled requests join the decode batch: their caches are appended to the batch
@@ -455,10 +585,14 @@ class ModelRunner:
         for state, first_token in zip(states, first_tokens.values()):
             state.prefill_cache = None
             self.rows.append(state.request_id)
+            features = None
+            if self.drafter is not None and state.prefill_features:
+                features = mx.concatenate(state.prefill_features, axis=0)
+                if self.prefix_caching:
+                    state.feature_log = [features]
             if self.drafter is not None and _allows(state.params, DFLASH):
                 state.session = self.drafter.open(state.prompt_ids)
-                if state.prefill_features:
-                    features = mx.concatenate(state.prefill_features, axis=0)
+                if features is not None:
                     self.drafter.commit(state.session, features, state.prompt_ids)
             state.prefill_features = []
             state.anchor = first_token
@@ -567,3 +701,10 @@ def _accepted(drafts: mx.array, targets: mx.array, depths: list[int]) -> mx.arra
     in_depth = mx.arange(width)[None, :] < mx.array(depths)[:, None]
     matches = (drafts == targets[:, :width]) & in_depth
     return mx.cumprod(matches.astype(mx.int32), axis=1).sum(axis=1)
+
+
+def _logprobs_of(states: list[_RowState], logits: mx.array, tokens: mx.array):
+    """Lazy log-probabilities of `tokens` [R, W] under `logits` [R, W, V] for these rows."""
+    rows = [s.request_id for s in states]
+    wanted = [s.params.logprobs or 0 for s in states]
+    return token_logprobs.compute(logits, tokens, rows, wanted)

@@ -15,6 +15,7 @@ import mlx.core as mx
 import msgspec
 
 from engine.errors import InvalidRequest
+from engine.logprobs import MAX_TOP_LOGPROBS
 from scheduler.sources import ALL_SOURCES
 
 
@@ -34,6 +35,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # Where this request may take drafts from ("dflash", "lookup"); None = all the engine
     # serves, [] = no drafting.
     draft_sources: list[str] | None = None
+    # Return each generated token's log-probability and this many most likely alternatives
+    # (raw target log-softmax, before temperature/top-p); None = no logprobs (no cost).
+    logprobs: int | None = None
+    # Also each prompt token's log-probability (the first has none) and this many
+    # alternatives, from the prefill's logits; such requests skip the prefix cache.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -65,6 +72,19 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 raise InvalidRequest(
                     f"unknown draft_sources {unknown}: choose from {list(ALL_SOURCES)}"
                 )
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidRequest(
+                f"logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs!r}"
+            )
+        if self.prompt_logprobs is not None and not (
+            isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidRequest(
+                f"prompt_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, "
+                f"got {self.prompt_logprobs!r}"
+            )
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:

@@ -157,16 +157,35 @@ class FlashbatchServer:
         parsed = api.decode_request(body, kind)
         self._check_model(parsed.model)
         prompt, max_tokens = self._prompt(parsed, chat)
-        params = api.sampling_params(parsed, max_tokens)
+        shape = self._shape(parsed, chat, prompt, max_tokens)
+        if shape.prompt_ids is not None:
+            prompt = shape.prompt_ids
+        params = api.sampling_params(parsed, 1 if shape.score_only else max_tokens)
         request_id, stream = self.engine.add_request(prompt, params)
         rid = api.new_id("chatcmpl" if chat else "cmpl")
         outputs = self.engine.outputs(request_id, stream)
+        if params.logprobs is not None:
+            offset = 0 if shape.prompt_ids is not None else len(shape.echo)
+            shape.formatter = api.LogprobsFormatter(self.engine.tokenizer, chat, offset)
         if parsed.stream:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-            events = self._sse(outputs, rid, chat, include_usage)
+            events = self._sse(outputs, rid, chat, include_usage, shape)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
-        return await self._collect(request, outputs, rid, chat)
+        return await self._collect(request, outputs, rid, chat, shape)
+
+    def _shape(self, parsed: Any, chat: bool, prompt: Any, max_tokens: int) -> _Shape:
+        """What the response adds to the generated text: echo (completions) and the prompt's
+        own logprobs with it; `max_tokens: 0` with echo scores the prompt only (evaluation
+        harnesses do this): one token is generated and left out."""
+        if chat or not parsed.echo:
+            return _Shape()
+        tokenizer = self.engine.tokenizer
+        echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+        prompt_ids = None
+        if parsed.logprobs not in (None, False):
+            prompt_ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
+        return _Shape(echo=echo, prompt_ids=prompt_ids, score_only=max_tokens == 0)
 
     def _prompt(self, parsed: Any, chat: bool) -> tuple[Any, int]:
         cap = self.settings.max_tokens_cap
@@ -188,12 +207,11 @@ class FlashbatchServer:
                 room = self.engine.scheduler.limits.max_model_len - len(prompt)
                 requested = max(1, min(cap, room))
         else:
-            if parsed.echo:
-                raise InvalidRequest("echo is not supported by this server")
             prompt = api.single_prompt(parsed.prompt)
             name = "max_tokens"
             requested = parsed.max_tokens if parsed.max_tokens is not None else 16
-        if requested < 1:
+        # 0 scores the prompt alone, which only echo returns (see `_shape`)
+        if requested < 1 and not (requested == 0 and not chat and parsed.echo):
             raise InvalidRequest(f"{name} must be at least 1, got {requested}", param=name)
         if requested > cap:
             raise InvalidRequest(
@@ -201,17 +219,27 @@ class FlashbatchServer:
             )
         return prompt, requested
 
-    async def _sse(self, outputs, rid: str, chat: bool, include_usage: bool):
+    async def _sse(self, outputs, rid: str, chat: bool, include_usage: bool, shape: _Shape):
         name, created = self.engine.model_name, int(time.time())
+        formatter, echo = shape.formatter, shape.echo
         last = None
         try:
             if chat:
                 yield _event(api.chunk_body(rid, name, created, True, "", None, role=True))
             async for output in outputs:
-                last = output
-                if output.text or output.finished:
+                if echo:  # sent with the first output, which brings the prompt's logprobs
+                    prompt_logprobs = shape.prompt_part(output)
+                    yield _event(api.chunk_body(rid, name, created, False, echo, None,
+                                                logprobs=prompt_logprobs))  # fmt: skip
+                    echo = ""
+                output = last = shape.visible(output)
+                logprobs = None
+                if formatter is not None and output.logprobs:
+                    logprobs = formatter.format(output.logprobs)
+                if output.text or output.finished or logprobs is not None:
                     reason = output.finish_reason if output.finished else None
-                    yield _event(api.chunk_body(rid, name, created, chat, output.text, reason))
+                    yield _event(api.chunk_body(rid, name, created, chat, output.text, reason,
+                                                logprobs=logprobs))  # fmt: skip
             if include_usage and last is not None:
                 yield _event(api.usage_chunk(rid, name, created, chat, last))
             yield b"data: [DONE]\n\n"
@@ -221,15 +249,22 @@ class FlashbatchServer:
         finally:
             await outputs.aclose()  # a disconnect cancels us here: abort the request now
 
-    async def _collect(self, request: Request, outputs, rid: str, chat: bool) -> Response:
+    async def _collect(self, request: Request, outputs, rid: str, chat: bool,
+                       shape: _Shape) -> Response:  # fmt: skip
         """Non-streaming: gather the outputs, aborting if the client goes away meanwhile."""
-        texts: list[str] = []
+        texts: list[str] = [shape.echo]
+        entries: list = []
+        prompt_logprobs = None
         last = None
 
         async def gather(cancel: anyio.CancelScope) -> None:
-            nonlocal last
+            nonlocal last, prompt_logprobs
             async for output in outputs:
+                if last is None:
+                    prompt_logprobs = shape.prompt_part(output)
+                output = shape.visible(output)
                 texts.append(output.text)
+                entries.extend(output.logprobs or [])
                 last = output
             cancel.cancel()
 
@@ -247,7 +282,11 @@ class FlashbatchServer:
         if last is None or not last.finished:
             self.http_metrics.on_disconnect("wait")
             raise _client_left("waiting for the answer")
-        body = api.completion_body(rid, self.engine.model_name, "".join(texts), last, chat)
+        logprobs = None
+        if shape.formatter is not None:
+            logprobs = api.join_logprobs(prompt_logprobs, shape.formatter.format(entries))
+        body = api.completion_body(rid, self.engine.model_name, "".join(texts), last, chat,
+                                   logprobs)  # fmt: skip
         return json_response(body)
 
     # ----------------------------------------------------------------- checks
@@ -289,6 +328,28 @@ class FlashbatchServer:
             served = self.engine.model_name
             message = f"the model {model!r} does not exist; this server serves {served!r}"
             raise HTTPError(404, message, "not_found_error", code="model_not_found", param="model")
+
+
+@dataclass
+class _Shape:
+    """How one completion's response differs from its generated text (see `_shape`)."""
+
+    echo: str = ""  # the prompt's text, sent before the completion
+    prompt_ids: list[int] | None = None  # with echo and logprobs: the prompt, for its logprobs
+    score_only: bool = False  # max_tokens 0 with echo: the generated token is left out
+    formatter: api.LogprobsFormatter | None = None
+
+    def prompt_part(self, output: Any) -> dict | None:
+        """The prompt's logprobs object (echo with logprobs; the first output has them)."""
+        if self.prompt_ids is None or self.formatter is None:
+            return None
+        return self.formatter.format_prompt(self.prompt_ids, output.prompt_logprobs or [])
+
+    def visible(self, output: Any) -> Any:
+        if not self.score_only:
+            return output
+        return msgspec.structs.replace(output, text="", token_ids=[], logprobs=None,
+                                       completion_tokens=0)  # fmt: skip
 
 
 def _event(body: dict) -> bytes:

@@ -82,6 +82,12 @@ class EngineMetrics:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request.", TOKEN_COUNT_BUCKETS
         )
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)."
+        )
         # `source`: the drafter that proposed ("dflash", "lookup"); sum over it for totals.
         self._spec_num_drafts = counter(
             "spec_decode_num_drafts", "Verify steps with drafts, by draft source.", ["source"]
@@ -147,6 +153,11 @@ class EngineMetrics:
         if result.memory_active is not None:
             self.mlx_active_memory.set(result.memory_active)
             self.mlx_peak_memory.set(result.memory_peak)
+
+    def on_prefix_lookups(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Admissions' prefix cache lookups, in tokens (vLLM's meaning)."""
+        self.prefix_cache_queries.inc(queried_tokens)
+        self.prefix_cache_hits.inc(hit_tokens)
 
     def on_queue(self, waiting: int, running: int) -> None:
         self.num_requests_waiting.set(waiting)

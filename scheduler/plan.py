@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprob
+from engine.prefix_cache import PrefixSave
 from engine.sampling import SamplingParams
 
 
@@ -18,6 +20,10 @@ class Admission:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    # A prefix cache hit: the first `prefix_tokens` positions come from that entry (one copy)
+    # and prefill starts after them.
+    prefix_entry: int | None = None
+    prefix_tokens: int = 0
 
 
 @dataclass
@@ -33,6 +39,10 @@ class PrefillChunk:
 @dataclass
 class StepPlan:
     removals: list[str] = field(default_factory=list)  # finished or aborted: free their rows
+    # Prefix cache: finished rows to keep as entries (read before the rows go), entries to
+    # free (after this step's admissions copied theirs).
+    prefix_saves: list[PrefixSave] = field(default_factory=list)
+    prefix_drops: list[int] = field(default_factory=list)
     admissions: list[Admission] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     depths: dict[str, int] = field(default_factory=dict)  # every decoding request's verify depth
@@ -58,11 +68,15 @@ class RowOutcome:
     drafted: int
     accepted: int
     source: str | None = None  # where the drafts came from (None: no drafts)
+    logprobs: list[TokenLogprob] | None = None  # one per token, for requests that asked
 
 
 @dataclass
 class StepResult:
     first_tokens: dict[str, int] = field(default_factory=dict)  # prefill finished this step
+    first_logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # of first tokens
+    # prompt tokens' logprobs of this step's prefill chunks (requests that asked)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     outcomes: dict[str, RowOutcome] = field(default_factory=dict)
     batch_size: int = 0  # decoding rows this step
     verify_tokens: int = 0  # rows x verify width actually run through the target

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprob
 from engine.sampling import SamplingParams
 from engine.stopping import StopChecker
 
@@ -24,7 +25,8 @@ class Request:
     params: SamplingParams
     stop: StopChecker
     status: RequestStatus = RequestStatus.WAITING
-    prefilled: int = 0  # prompt positions already through the target
+    prefilled: int = 0  # prompt positions already through the target (or from the cache)
+    cached_tokens: int = 0  # prompt positions reused from the prefix cache
     finish_reason: str | None = None
     # speculation stats
     drafted: int = 0
@@ -39,9 +41,19 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # one per generated token when the request asked for logprobs (aligned with the ids)
+    logprobs: list[TokenLogprob] | None = None
+    # one per prompt token when asked for (None for the first: nothing predicts it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # what has been streamed to the consumer so far
     sent_tokens: int = 0
     sent_text: int = 0
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.errors import EngineOverloaded, InvalidRequest
+from engine.logprobs import TokenLogprob
+from engine.prefix_cache import PrefixIndex, PrefixSave
 from scheduler.depth import DepthPolicy
 from scheduler.plan import Admission, PrefillChunk, StepPlan, StepResult
 from scheduler.request import Request, RequestStatus
@@ -44,6 +46,7 @@ class Scheduler:
         policy: DepthPolicy,
         max_depth: int,
         source_depths: dict[str, int] | None = None,
+        prefix: PrefixIndex | None = None,
     ) -> None:
         self.limits = limits
         self.policy = policy
@@ -54,6 +57,9 @@ class Scheduler:
             source_depths = {DFLASH: max_depth} if max_depth else {}
         self.source_depths = dict(source_depths)
         self.sources: Sequence[str] = tuple(self.source_depths)
+        self.prefix = prefix  # None: no prefix caching
+        self._to_save: list[Request] = []  # finished normally since the last plan
+        self._pinned: list[int] = []  # entries the last plan's admissions copy from
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
@@ -133,6 +139,8 @@ class Scheduler:
     def plan(self) -> StepPlan:
         plan = StepPlan(removals=self._removals)
         self._removals = []
+        if self.prefix is not None:
+            self._plan_prefix_saves(plan)
         self._admit(plan)
         budget = self.limits.prefill_chunk_tokens
         for request in self.prefilling:
@@ -236,9 +244,34 @@ class Scheduler:
             request.status = RequestStatus.PREFILLING
             request.admitted_time = time.monotonic()
             self.prefilling.append(request)
-            plan.admissions.append(
-                Admission(request.request_id, request.prompt_ids, request.params)
-            )
+            admission = Admission(request.request_id, request.prompt_ids, request.params)
+            # Prompt logprobs need every prompt position's logits: no reuse for them.
+            if self.prefix is not None and request.params.prompt_logprobs is None:
+                entry_id, length = self.prefix.match(request.prompt_ids)
+                if entry_id is not None:
+                    # Pinned until the runner has copied it (the next plan unpins).
+                    self.prefix.pin(entry_id)
+                    self._pinned.append(entry_id)
+                    admission.prefix_entry, admission.prefix_tokens = entry_id, length
+                    request.prefilled = request.cached_tokens = length
+            plan.admissions.append(admission)
+
+    def _plan_prefix_saves(self, plan: StepPlan) -> None:
+        """Unpin the entries the previous step copied from (it has run by now), then index
+        the requests that finished since: their cached positions become entries, evicting
+        the least recently used ones beyond the budget."""
+        for entry_id in self._pinned:
+            self.prefix.unpin(entry_id)
+        self._pinned = []
+        for request in self._to_save:
+            # The runner's row holds committed - 1 positions, and may hold more: tokens past
+            # a stop were committed there but are not output. This prefix is valid either way.
+            tokens = (request.prompt_ids + request.stop.token_ids)[:-1]
+            entry_id, drops = self.prefix.save(tokens)
+            plan.prefix_drops += drops
+            if entry_id is not None:
+                plan.prefix_saves.append(PrefixSave(request.request_id, entry_id, len(tokens)))
+        self._to_save = []
 
     # ----------------------------------------------------------------- results
     def apply(self, result: StepResult) -> list[Request]:
@@ -249,6 +282,10 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None:
                 request.lookup_match = match
+        for request_id, entries in result.prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs += entries
         for request_id, token in result.first_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.finished:
@@ -257,7 +294,8 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.first_token_time = request.last_token_time = now
-            self._add_tokens(request, [token], changed)
+            first = result.first_logprobs.get(request_id)
+            self._add_tokens(request, [token], changed, None if first is None else [first])
         for request_id, outcome in result.outcomes.items():
             request = self.requests.get(request_id)
             if request is None or request.finished:
@@ -271,14 +309,19 @@ class Scheduler:
                 by[source] = by.get(source, 0) + outcome.accepted
             request.verify_steps += 1
             request.last_token_time = now
-            self._add_tokens(request, outcome.tokens, changed)
+            self._add_tokens(request, outcome.tokens, changed, outcome.logprobs)
         self.policy.observe(result)
         return changed
 
-    def _add_tokens(self, request: Request, tokens: list[int], changed: list[Request]) -> None:
-        request.stop.add(tokens)
+    def _add_tokens(self, request: Request, tokens: list[int], changed: list[Request],
+                    logprobs: list[TokenLogprob] | None = None) -> None:  # fmt: skip
+        kept = request.stop.add(tokens)
+        if request.logprobs is not None and logprobs is not None:
+            request.logprobs += logprobs[: len(kept)]  # tokens past a stop are not output
         if request.stop.finished:
             self._retire(request)
+            if self.prefix is not None:
+                self._to_save.append(request)
             request.finish(request.stop.finish_reason)
         changed.append(request)
 

@@ -65,6 +65,10 @@ PANELS = {
         r"flashbatch_num_requests_waiting\{",
     ],
     "KV cache usage": [r"flashbatch_kv_cache_usage_perc\{"],
+    "Prefix cache hit rate": [
+        r"rate\(flashbatch_prefix_cache_hits_total\{.*/ sum by \(instance\) "
+        r"\(rate\(flashbatch_prefix_cache_queries_total\{"
+    ],
     "Draft acceptance rate": [
         r"rate\(flashbatch_spec_decode_num_accepted_tokens_total\{.*\)\) / "
         r"sum by \(model_name\) \(rate\(flashbatch_spec_decode_num_draft_tokens_total\{"

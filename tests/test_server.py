@@ -130,6 +130,17 @@ def test_openai_client_completions_and_chat(server, qwen3_target_dir):
         ({"prompt": 5}, 400, "invalid request"),
         ({"messages": []}, 400, "messages must not be empty"),
         ({"prompt": "x", "draft_sources": ["eagle"]}, 400, "unknown draft sources"),
+        ({"prompt": "x", "logprobs": 6}, 400, "logprobs must be in 0..5"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            400,
+            "top_logprobs needs logprobs",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            400,
+            "top_logprobs must be in 0..20",
+        ),
     ],
 )
 def test_errors_use_the_openai_shape(server, body, status, needle):
@@ -257,6 +268,121 @@ async def test_two_hundred_concurrent_streams_complete(server):
     assert all(r >= 1 for r in results)
 
 
+def _reference_logprobs(model, prompt: list[int], output: list[int]) -> list[list[float]]:
+    logits = model(mx.array([prompt + output]))[0].astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return logprobs[len(prompt) - 1 : len(prompt) - 1 + len(output)].tolist()
+
+
+def test_openai_client_reads_logprobs_streamed_and_not(server, qwen3_target_dir):
+    """Completions `logprobs: 3` and chat `logprobs + top_logprobs: 4`, streamed and not,
+    read by the official client: the target's log-softmax at every generated token."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model, tokenizer = load_target_model(qwen3_target_dir)
+    extra = {"extra_body": {"ignore_eos": True}}
+    prompt = "def add(a, b):"
+    ids = list(tokenizer.encode(prompt))
+    steps = generate_step(mx.array(ids), model, max_tokens=10, sampler=lambda x: mx.argmax(x, -1))
+    tokens = [int(t) for t, _ in steps]
+    reference = _reference_logprobs(model, ids, tokens)
+    names = [tokenizer.decode([t]) for t in tokens]
+
+    done = client.completions.create(model="qwen3", prompt=prompt, max_tokens=10, temperature=0,
+                                     logprobs=3, **extra)  # fmt: skip
+    stream = client.completions.create(model="qwen3", prompt=prompt, max_tokens=10,
+                                       temperature=0, logprobs=3, stream=True, **extra)  # fmt: skip
+    streamed = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    for logprobs in (done.choices[0].logprobs, streamed):
+        if isinstance(logprobs, list):  # the stream's deltas, joined
+            joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            for part in logprobs:
+                for key in joined:
+                    joined[key] += getattr(part, key)
+            logprobs = openai.types.completion_choice.Logprobs(**joined)
+        assert logprobs.tokens == names
+        assert logprobs.text_offset == [len("".join(names[:j])) for j in range(10)]
+        for j, value in enumerate(logprobs.token_logprobs):
+            assert abs(value - reference[j][tokens[j]]) < 1e-4
+            top = logprobs.top_logprobs[j]
+            assert 3 <= len(top) <= 4 and names[j] in top  # the sampled token is always there
+            best = sorted(reference[j], reverse=True)[:3]
+            assert sorted(top.values(), reverse=True)[:3] == pytest.approx(best, abs=1e-4)
+
+    messages = [{"role": "user", "content": "write a loop"}]
+    chat_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    steps = generate_step(mx.array(chat_ids), model, max_tokens=8,
+                          sampler=lambda x: mx.argmax(x, -1))  # fmt: skip
+    chat_tokens = [int(t) for t, _ in steps]
+    chat_reference = _reference_logprobs(model, chat_ids, chat_tokens)
+    chat = client.chat.completions.create(model="qwen3", messages=messages, max_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=4,
+                                          **extra)  # fmt: skip
+    streamed = client.chat.completions.create(model="qwen3", messages=messages, max_tokens=8,
+                                              temperature=0, logprobs=True, top_logprobs=4,
+                                              stream=True, **extra)  # fmt: skip
+    streamed_content = [i for c in streamed if c.choices and c.choices[0].logprobs
+                        for i in c.choices[0].logprobs.content]  # fmt: skip
+    for content in (chat.choices[0].logprobs.content, streamed_content):
+        assert len(content) == 8
+        for j, item in enumerate(content):
+            assert item.token == tokenizer.decode([chat_tokens[j]])
+            assert bytes(item.bytes) == item.token.encode()
+            assert abs(item.logprob - chat_reference[j][chat_tokens[j]]) < 1e-4
+            assert len(item.top_logprobs) == 4
+            assert item.top_logprobs[0].logprob == pytest.approx(max(chat_reference[j]), abs=1e-4)
+    plain = client.chat.completions.create(model="qwen3", messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, qwen3_target_dir):
+    """The evaluation harnesses' call: echo, logprobs and max_tokens 0 give the prompt's own
+    logprobs (the first token has none) and nothing generated; with max_tokens 3 the
+    generated tokens follow the prompt's."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model, tokenizer = load_target_model(qwen3_target_dir)
+    prompt = "def add(a, b):\n    return a + b"
+    ids = list(tokenizer.encode(prompt))
+    logits = model(mx.array([ids]))[0].astype(mx.float32)
+    reference = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).tolist()
+    for max_tokens, stream in ((0, False), (0, True), (3, False)):
+        kwargs = dict(model="qwen3", prompt=prompt, echo=True, logprobs=2, temperature=0,
+                      max_tokens=max_tokens, extra_body={"ignore_eos": True})  # fmt: skip
+        if stream:
+            parts = [c for c in client.completions.create(stream=True, **kwargs) if c.choices]
+            text = "".join(c.choices[0].text for c in parts)
+            tokens = [
+                t for c in parts if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens
+            ]
+            values = [v for c in parts if c.choices[0].logprobs
+                      for v in c.choices[0].logprobs.token_logprobs]  # fmt: skip
+        else:
+            done = client.completions.create(**kwargs)
+            text, logprobs = done.choices[0].text, done.choices[0].logprobs
+            tokens, values = logprobs.tokens, logprobs.token_logprobs
+            assert logprobs.text_offset[: len(ids)] == [
+                len("".join(tokens[:j])) for j in range(len(ids))
+            ]
+            assert done.usage.completion_tokens == max_tokens
+        assert text.startswith(prompt) and (max_tokens or text == prompt)
+        assert len(tokens) == len(values) == len(ids) + max_tokens
+        assert tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids]
+        assert values[0] is None
+        for j in range(1, len(ids)):
+            assert abs(values[j] - reference[j - 1][ids[j]]) < 1e-4, j
+
+
+def test_completions_echo_prepends_the_prompt(server):
+    body = {"prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0, "echo": True}
+    plain = httpx.post(server.url + "/v1/completions", json={**body, "echo": False}).json()
+    echoed = httpx.post(server.url + "/v1/completions", json=body).json()
+    assert echoed["choices"][0]["text"] == body["prompt"] + plain["choices"][0]["text"]
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      json={**body, "stream": True}) as response:  # fmt: skip
+        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines)
+    assert text == echoed["choices"][0]["text"]
+
+
 def test_full_queue_answers_429_while_streams_continue(qwen3_target_dir):
     s = ServerProcess(qwen3_target_dir, None, "--max-num-seqs", "1", "--max-waiting-requests", "1")
     try:
@@ -303,6 +429,41 @@ def test_api_key_guards_v1_but_not_probes(qwen3_target_dir):
         assert httpx.get(s.url + "/metrics").status_code == 200
     finally:
         s.stop()
+
+
+def test_prefix_cache_over_http_reuses_the_history_and_answers_the_same(
+    qwen3_target_dir, drafter_dir
+):
+    """--prefix-cache-bytes sets the cache's budget: a second chat turn reuses the first
+    turn's KV (usage.prompt_tokens_details.cached_tokens, the metrics count it in tokens) and
+    answers what a server with the cache off (FLASHBATCH_PREFIX_CACHE_BYTES=0) answers."""
+    s = ServerProcess(qwen3_target_dir, drafter_dir, "--prefix-cache-bytes", str(64 << 20))
+    off = ServerProcess(qwen3_target_dir, drafter_dir, env={"FLASHBATCH_PREFIX_CACHE_BYTES": "0"})
+    try:
+        warm = openai.OpenAI(base_url=s.url + "/v1", api_key="unused")
+        cold = openai.OpenAI(base_url=off.url + "/v1", api_key="unused")
+        messages = [{"role": "user", "content": "def fib(n):\n    " * 20}]
+        kwargs = {"model": "qwen3", "max_tokens": 12, "temperature": 0,
+                  "extra_body": {"ignore_eos": True}}  # fmt: skip
+        first = warm.chat.completions.create(messages=messages, **kwargs)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "and now in C"}]  # fmt: skip
+        second = warm.chat.completions.create(messages=messages, **kwargs)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+        expected = cold.chat.completions.create(messages=messages, **kwargs)
+        assert second.choices[0].message.content == expected.choices[0].message.content
+        values = s.metrics()
+        assert _metric(values, "flashbatch_prefix_cache_hits_total") == cached
+        assert _metric(values, "flashbatch_prefix_cache_queries_total") == (
+            first.usage.prompt_tokens + second.usage.prompt_tokens
+        )
+        assert expected.usage.prompt_tokens_details.cached_tokens == 0
+        assert _metric(off.metrics(), "flashbatch_prefix_cache_queries_total") == 0
+    finally:
+        s.stop()
+        off.stop()
 
 
 def test_sigterm_drains_in_flight_and_refuses_new_work(qwen3_target_dir):

@@ -164,19 +164,9 @@ def stage_eval(
 
 
 def stage_export(work: Path, dest: Path) -> dict[str, Any]:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+    from engine.bundled.pair import export_drafter  # bf16, z-lab layout, from work/drafter
 
-    from drafters.dflash.checkpoint import load_dflash_model
-    from engine.bundled.pair import save_sharded
-
-    model = load_dflash_model(work / "drafter")
-    dest.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_dict()
-    config["torch_dtype"] = "bfloat16"
-    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_sharded(dict(tree_flatten(model.parameters())), dest, mx.bfloat16)
-    return {"stage": "export", "dest": str(dest)}
+    return {"stage": "export", "dest": str(export_drafter(work, dest))}
 
 
 def write_card(work: Path, dest: Path, target: str) -> Path:

@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="dflash,lookup | dflash | lookup | none (default: both with a drafter, else lookup)",
     )
     srv.add_argument(
-        "--prefill-chunk-tokens", type=int, default=_env("PREFILL_CHUNK_TOKENS", 256, int)
+        "--prefill-chunk-tokens", type=int, default=_env("PREFILL_CHUNK_TOKENS", 1024, int)
     )
     srv.add_argument(
         "--prefix-cache-bytes",

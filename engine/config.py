@@ -15,7 +15,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_waiting_requests: int = 256  # queue bound (count); over it -> EngineOverloaded
     max_waiting_prompt_tokens: int = 1 << 18  # queue bound (prompt tokens)
     max_model_len: int | None = None  # context limit; default: the target's max positions
-    prefill_chunk_tokens: int = 256  # prompt tokens per step, so prefills do not stall decoders
+    # Prompt tokens per step across all prefilling requests, so prefills do not stall decoders
+    # for long. 1024 (not 256): at 32 clients fewer steps carry a prefill chunk, so the median
+    # inter-token latency is a decode step's (bench/results/2026-12-01/serve-*-chunk1024).
+    prefill_chunk_tokens: int = 1024
     kv_cache_bytes: int = 4 << 30  # target KV cache budget for admitted requests
     # Automatic prefix caching: finished requests' KV (and drafter features) kept in an LRU
     # of this many bytes, reused by prompts that start the same way; 0 = off.

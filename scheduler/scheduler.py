@@ -33,7 +33,7 @@ class SchedulerLimits:
     max_num_seqs: int = 32  # requests prefilling or decoding at once
     max_waiting_requests: int = 256
     max_waiting_prompt_tokens: int = 1 << 18
-    prefill_chunk_tokens: int = 256  # prompt tokens per step across all prefilling requests
+    prefill_chunk_tokens: int = 1024  # prompt tokens per step across all prefilling requests
     kv_cache_bytes: int = 4 << 30  # budget for the target KV cache of admitted requests
     bytes_per_token: int = 0  # KV bytes per cached token (0 = no memory budget)
     max_model_len: int = 4096

@@ -32,10 +32,6 @@
   DFlash allowed (extra-cost curves of steps with a drafter forward) and without (lookup
   drafts cost no forward, only verify positions). Ties go to lookup. Probes rotate through a
   row's usable sources, so a source that lost a request is tried again.
-- **Lookup by match length.** A lookup proposal that continues a 4-token match is right far
-  more often than one from a 2-token match, so lookup acceptance has one model per match
-  length (its shared prior learns across requests): a row drafts deep on a long match and
-  shallow, or not at all, on a short one.
 """
 
 from __future__ import annotations
@@ -51,7 +47,6 @@ from scheduler.sources import DFLASH, LOOKUP, DraftOptions
 PRIOR_ACCEPTANCE = 0.6  # before anything is observed
 # Lookup drafts are right far more often than chance only on copy-heavy text: a lower start.
 LOOKUP_PRIOR_ACCEPTANCE = 0.5
-LOOKUP_MATCH_BUCKETS = 4  # lookup acceptance models: match length 1, 2, 3, and 4 or more
 MIN_MARGINAL = 0.02  # a draft position is useless once its acceptance chance falls below this
 PROBE_START, PROBE_MAX = 4, 512
 UNPARK_MARGIN = 0.03  # predicted goodput gain needed to start drafting again once parked
@@ -255,13 +250,8 @@ class AdaptiveDepthPolicy:
     def __init__(self, max_depth: int = 15, warmup_steps: int = 3, packed: bool = True) -> None:
         self.max_depth = max_depth
         self.acceptance = AcceptanceModel(max_depth)  # DFlash's
-        # Lookup acceptance per match-length bucket (see the module docstring).
-        self.lookup_by_match = {
-            n: AcceptanceModel(max_depth, initial=LOOKUP_PRIOR_ACCEPTANCE)
-            for n in range(1, LOOKUP_MATCH_BUCKETS + 1)
-        }
-        self._match: dict[str, int] = {}  # request id -> its lookup match length this step
-        self._last_match: dict[str, int] = {}  # request id -> its latest nonzero match length
+        self.lookup_acceptance = AcceptanceModel(max_depth, initial=LOOKUP_PRIOR_ACCEPTANCE)
+        self.models = {DFLASH: self.acceptance, LOOKUP: self.lookup_acceptance}
         self.cost = CostModel(packed)
         self.warmup_steps = warmup_steps
         self.parked_reasons: dict[str, str] = {}
@@ -291,8 +281,6 @@ class AdaptiveDepthPolicy:
         self._steps += 1
         self._last_batch = max(1, len(requests))
         caps = {r.request_id: self._caps(r, options[r.request_id]) for r in requests}
-        self._match = {r.request_id: options[r.request_id].lookup_match for r in requests}
-        self._last_match.update((rid, n) for rid, n in self._match.items() if n)
         max_depth = max((c for cap in caps.values() for c in cap.values()), default=0)
         if not requests or max_depth == 0:
             self.last_sources = {}
@@ -349,7 +337,7 @@ class AdaptiveDepthPolicy:
         for request_id, outcome in result.outcomes.items():
             self._active.add(request_id)
             if outcome.drafted:
-                model = self._model(outcome.source or DFLASH, request_id)
+                model = self.models.get(outcome.source or DFLASH, self.acceptance)
                 model.observe(request_id, outcome.drafted, outcome.accepted)
         if result.batch_size:
             seconds = result.forward_seconds or result.step_seconds
@@ -368,22 +356,12 @@ class AdaptiveDepthPolicy:
                 self._probe_interval = min(PROBE_MAX, self._probe_interval * 2)
         finished = self._active - set(result.outcomes)
         for request_id in finished:
-            for model in [self.acceptance, *self.lookup_by_match.values()]:
+            for model in self.models.values():
                 model.forget(request_id)
-            self._match.pop(request_id, None)
-            self._last_match.pop(request_id, None)
             self._last_drafted.pop(request_id, None)
         self._active = set(result.outcomes)
 
     # ----------------------------------------------------------------- internals
-    def _model(self, source: str, request_id: str) -> AcceptanceModel:
-        """The acceptance model of a row's source: DFlash's, or lookup's for the row's match
-        length on this step (the step it drafted, when observing)."""
-        if source != LOOKUP:
-            return self.acceptance
-        match = self._match.get(request_id, 0)
-        return self.lookup_by_match[max(1, min(match, LOOKUP_MATCH_BUCKETS))]
-
     def _cap(self, request: Request, max_depth: int) -> int:
         """The request's own cap, further limited by its remaining token budget."""
         remaining = request.params.max_tokens - request.generated
@@ -405,7 +383,7 @@ class AdaptiveDepthPolicy:
         for r in requests:
             rid, table = r.request_id, {}
             for source, cap in caps[rid].items():
-                model = self._model(source, rid)
+                model = self.models[source]
                 d_max = min(cap, model.useful_depth(rid))
                 if d_max:
                     q, chain, row = model.estimate(rid), 1.0, [1.0]
@@ -502,7 +480,7 @@ class AdaptiveDepthPolicy:
             return depths, sources
         for r in requests:
             rid = r.request_id
-            useless = all(self._model(s, rid).useful_depth(rid) == 0 for s in caps[rid])
+            useless = all(self.models[s].useful_depth(rid) == 0 for s in caps[rid])
             self.parked_reasons[rid] = "low_acceptance" if useless else reason
         return {r.request_id: 0 for r in requests}, {}
 
@@ -510,9 +488,7 @@ class AdaptiveDepthPolicy:
         """Would a lookup match for this request likely be drafted? (The runner skips a
         lookahead plain step when such a row gets a match.) Judged for the row alone at
         depth 1: its expected extra token against widening the latest batch's verify."""
-        # The match it would get is not known yet: judged at its latest match length.
-        match = self._last_match.get(request_id, LOOKUP_MATCH_BUCKETS)
-        q = self.lookup_by_match[max(1, min(match, LOOKUP_MATCH_BUCKETS))].estimate(request_id)[0]
+        q = self.lookup_acceptance.estimate(request_id)[0]
         batch = max(1, self._last_batch)
         plain = self.cost.predict_plain(batch)
         wider = self.cost.predict(batch, [1] + [0] * (batch - 1), drafting=False)
@@ -539,9 +515,7 @@ class AdaptiveDepthPolicy:
         """Inspectable state: prior, cost coefficients, last choice, probe cadence."""
         return {
             "prior": [round(p, 3) for p in self.acceptance.prior],
-            "lookup_prior": {
-                n: [round(p, 3) for p in m.prior] for n, m in self.lookup_by_match.items()
-            },
+            "lookup_prior": [round(p, 3) for p in self.lookup_acceptance.prior],
             "cost_plain": {
                 round(CostCurve.center(b)): round(v, 5)
                 for b, v in sorted(self.cost.plain.mean.items())

@@ -164,32 +164,3 @@ def test_scheduler_gives_lookup_only_to_matching_rows_within_each_requests_sourc
     assert plan.depths == {"a": 4, "b": 4, "c": 4, "d": 0, "e": 0}
     assert scheduler.last_parked == {"d": "no_match", "e": "request_disabled"}
     assert plan.lookup_watch == {"a", "b", "d"}
-
-
-def test_lookup_drafts_deep_on_long_matches_and_not_on_short_ones():
-    """Lookup acceptance is modelled per match length: a row whose 4-token matches copy
-    reliably and whose 2-token matches do not drafts deep on the first and parks on the
-    second (one shared estimate would give both the same middling depth)."""
-    rng = random.Random(0)
-    policy = AdaptiveDepthPolicy(packed=True)
-    reqs = requests(1)
-    chosen = {2: [], 4: []}
-    for step in range(600):
-        match = 4 if step % 2 else 2
-        options = {"r0": row_options((LOOKUP,), match, DEPTHS)}
-        depths, sources = policy.choose_drafts(reqs, options)
-        d = depths["r0"]
-        p = 0.95 if match == 4 else 0.1
-        accepted = 0
-        while accepted < d and rng.random() < p:
-            accepted += 1
-        seconds = 0.1 + 0.004 * (1 + d)
-        policy.observe(StepResult(
-            outcomes={"r0": RowOutcome([0] * (accepted + 1), d, accepted, LOOKUP if d else None)},
-            batch_size=1, verify_tokens=1 + d, drafted_rows=0, step_seconds=seconds,
-            phase_seconds={"forward": seconds},
-        ))  # fmt: skip
-        if step >= 400:
-            chosen[match].append(d)
-    assert sum(chosen[4]) / len(chosen[4]) >= 6
-    assert sum(chosen[2]) / len(chosen[2]) <= 1

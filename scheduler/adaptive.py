@@ -232,6 +232,11 @@ class CostModel:
         if extra <= 0:
             self.plain.observe(batch + prefill_tokens, seconds)
             return
+        if prefill_tokens and not self.plain.measured(batch + prefill_tokens):
+            # A prefill chunk beside drafts, and no plain step of that size measured: the
+            # residual would be a guess (one such, 2 s for 19 positions at B=8 on SmolLM2,
+            # closed the extra curve for good).
+            return
         curve = self.extra.setdefault((_batch_bucket(batch), drafting), CostCurve())
         curve.observe(extra, max(0.0, seconds - self.predict_plain(batch, prefill_tokens)))
         self.max_extra_seen = max(self.max_extra_seen, extra if self.packed else extra // batch)

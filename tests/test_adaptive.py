@@ -285,3 +285,22 @@ def test_packed_adaptive_is_never_slower_than_drafting_off():
         assert rates["adaptive"] >= 0.97 * rates["off"], (batch, rates)
         if batch == 1:
             assert rates["adaptive"] > 1.2 * rates["off"], rates
+
+
+def test_a_drafting_step_beside_an_unmeasured_prefill_does_not_poison_the_extra_cost():
+    """The extra cost of drafts is the step's time less a plain step of the same size; beside
+    a prefill chunk of a size never measured plainly, that residual is a guess and is not
+    learned."""
+    from scheduler.adaptive import CostModel
+
+    cost = CostModel(packed=True)
+    for _ in range(5):
+        cost.observe(8, 8, 0, False, 0.25)  # plain steps of 8 rows
+        cost.observe(8, 10, 0, False, 0.30)  # 2 extra positions
+    before = cost.predict_extra(8, 19, drafting=False)
+    cost.observe(8, 27, 1024, False, 2.3)  # drafts beside an unmeasured 1024-token chunk
+    assert cost.predict_extra(8, 19, drafting=False) == before
+    for _ in range(5):
+        cost.observe(8, 8, 1024, False, 1.0)  # that chunk size measured plainly
+    cost.observe(8, 27, 1024, False, 1.2)
+    assert cost.extra[(3, False)].measured(19)

@@ -1,0 +1,90 @@
+"""What one drafting row costs a batch, on any target (no drafter needed).
+
+    python bench/packed_cost.py --target smollm2-135m-instruct --rows 32 [--rounds 12]
+
+Admits `rows` held-out editing prompts of the chat mix into one `ModelRunner`, then interleaves,
+round after round, forwards over the same cache: a plain step (the stock forward, every row one
+position), the packed verify with one row verifying 1 + depth positions (depth 3; depth 1, a
+probe; depth 7) and the padded verify of depth 3 for every row. Each forward's own positions
+are rolled back, so every round sees the same cache. Prints median and best milliseconds and
+ratios to the plain step. `bench/packed_step.py` times whole engine steps with a DFlash drafter.
+"""
+
+from __future__ import annotations
+
+import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
+
+# isort: split
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+
+from drafters.dflash.datagen import encode
+from drafters.lookup import LookupDrafter
+from engine.loading import load_pair
+from engine.packed import PackedLayout
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from scheduler.plan import Admission, PrefillChunk, StepPlan
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args()
+
+    from bench.suite import mix_prompts
+
+    pair = load_pair(args.target, None)
+    runner = ModelRunner(pair.target, None, lookup=LookupDrafter())  # lookup: packed verify on
+    if runner.packed is None:
+        raise SystemExit(f"{args.target}: no packed verify for this architecture")
+    prompts = [encode(pair.tokenizer, p) for p in mix_prompts("editing")]
+    prompts = (prompts * args.rows)[: args.rows]
+    params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+    ids = [f"r{i}" for i in range(args.rows)]
+    runner.execute(StepPlan(
+        admissions=[Admission(r, p, params) for r, p in zip(ids, prompts)],
+        prefills=[PrefillChunk(r, 0, len(p), True) for r, p in zip(ids, prompts)],
+    ))  # fmt: skip
+    cache, B = runner.cache, args.rows
+
+    def stock(width: int) -> None:  # every row `width` positions (width 1: a plain step)
+        logits, _ = pair.target(mx.zeros((B, width), dtype=mx.int32), cache)
+        mx.eval(mx.argmax(logits, axis=-1))
+        for c in cache:
+            c.trim_rows([width] * B)
+
+    def packed(widths: list[int]) -> None:
+        layout = PackedLayout.build(widths, list(cache[0].lengths))
+        logits, _ = runner.packed(mx.zeros((layout.total,), dtype=mx.int32), layout, cache)
+        mx.eval(mx.argmax(logits, axis=-1))
+        for c in cache:
+            c.trim_rows(widths)
+
+    kinds = {"plain": lambda: stock(1)}
+    for depth in (3, 1, 7):
+        kinds[f"1 row depth {depth}, packed"] = lambda d=depth: packed([1 + d] + [1] * (B - 1))
+    kinds["every row depth 3, padded"] = lambda: stock(4)
+    seconds: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(args.rounds):
+        for name, forward in kinds.items():
+            started = time.perf_counter()
+            forward()
+            seconds[name].append(time.perf_counter() - started)
+    plain, plain_best = statistics.median(seconds["plain"]), min(seconds["plain"])
+    context = statistics.mean(cache[0].lengths)
+    print(f"{args.target}: {B} rows, mean context {context:.0f} tokens, {args.rounds} rounds")
+    print("| forward | median ms | / plain | best ms | / plain |\n|---|---:|---:|---:|---:|")
+    for name, values in seconds.items():
+        median, best = statistics.median(values), min(values)
+        print(f"| {name} | {1000 * median:.1f} | {median / plain:.2f}x "
+              f"| {1000 * best:.1f} | {best / plain_best:.2f}x |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -22,6 +22,7 @@ import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
 import argparse
 import asyncio
 import json
+import logging
 import shlex
 import sys
 import time
@@ -245,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-depth", type=int, default=7)
     parser.add_argument("--export-dir", type=Path, help="where `export` writes the drafter")
     args = parser.parse_args(argv)
+    # Progress lines (datagen's "N/M written, tok/s", training's losses) go to stderr.
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     stages = args.stages.split(",")
     work: Path = args.work_dir or DEFAULT_WORK_ROOT / Path(args.target).name
     work.mkdir(parents=True, exist_ok=True)

@@ -67,8 +67,9 @@ def main() -> None:
                 generated = r["tokens"][r["prompt_tokens"] :][: args.tokens]
                 totals = [a + b for a, b in zip(totals, replay(prompt, generated, depth))]
             steps, committed, matched, accepted = totals
+            per_match = accepted / max(1, matched)
             print(f"| {kind} | {depth} | {len(chosen)} | {committed / steps:.2f} "
-                  f"| {100 * matched / steps:.0f}% | {accepted / max(1, matched):.2f} |")  # fmt: skip
+                  f"| {100 * matched / steps:.0f}% | {per_match:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

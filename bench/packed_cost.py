@@ -21,13 +21,12 @@ import time
 
 import mlx.core as mx
 
+from bench.packed_step import _admit  # one prefill step admitting every prompt
 from drafters.dflash.datagen import encode
 from drafters.lookup import LookupDrafter
 from engine.loading import load_pair
 from engine.packed import PackedLayout
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
-from scheduler.plan import Admission, PrefillChunk, StepPlan
 
 
 def main() -> None:
@@ -44,13 +43,7 @@ def main() -> None:
     if runner.packed is None:
         raise SystemExit(f"{args.target}: no packed verify for this architecture")
     prompts = [encode(pair.tokenizer, p) for p in mix_prompts("editing")]
-    prompts = (prompts * args.rows)[: args.rows]
-    params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
-    ids = [f"r{i}" for i in range(args.rows)]
-    runner.execute(StepPlan(
-        admissions=[Admission(r, p, params) for r, p in zip(ids, prompts)],
-        prefills=[PrefillChunk(r, 0, len(p), True) for r, p in zip(ids, prompts)],
-    ))  # fmt: skip
+    _admit(runner, (prompts * args.rows)[: args.rows])
     cache, B = runner.cache, args.rows
 
     def stock(width: int) -> None:  # every row `width` positions (width 1: a plain step)

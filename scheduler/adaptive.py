@@ -24,14 +24,16 @@
   drafter forward at all).
 - **Exploration and recovery.** Until a larger E has been measured the controller at most
   doubles the largest measured one. While parked it probes with exponential backoff (4, 8,
-  ... 512 steps); a probe drafts one position for a few rows (those that drafted least
-  recently), so it costs a few packed positions, not a batch-wide width.
+  ... 512 steps without drafting from a source; one backoff per source, so lookup drafting
+  now and then neither resets nor blocks the re-trying of DFlash); a probe drafts one
+  position for a few rows (those that drafted least recently), so it costs a few packed
+  positions, not a batch-wide width.
 - **Draft sources.** A row may draft from DFlash or from prompt lookup (`scheduler.sources`);
   acceptance is modelled per request *and per source* (one `AcceptanceModel` each). Every
   row takes the source with the most expected tokens, and every choice is priced twice: with
   DFlash allowed (extra-cost curves of steps with a drafter forward) and without (lookup
-  drafts cost no forward, only verify positions). Ties go to lookup. Probes rotate through a
-  row's usable sources, so a source that lost a request is tried again.
+  drafts cost no forward, only verify positions). Ties go to lookup. Each source has its own
+  probe backoff, so a source that lost a request is tried again.
 """
 
 from __future__ import annotations
@@ -260,13 +262,16 @@ class AdaptiveDepthPolicy:
         self.cost = CostModel(packed)
         self.warmup_steps = warmup_steps
         self.parked_reasons: dict[str, str] = {}
-        self._probe_interval = PROBE_START
+        # Probe backoff per source: lookup drafting on some steps must not keep resetting the
+        # cadence at which a parked DFlash is re-tried (nor the other way round).
+        self._probe_interval = {DFLASH: PROBE_START, LOOKUP: PROBE_START}
+        self._idle = {DFLASH: 0, LOOKUP: 0}  # steps since the source last drafted any row
         self._steps_parked = 0
-        self._probing = False
+        self._probing: str | None = None  # the source the step just chosen probes
+        self._usable: set[str] = set()  # sources some row could draft from on the last step
         self._steps = 0
         self._last_drafted: dict[str, int] = {}  # request id -> step it last drafted
         self._active: set[str] = set()
-        self._probes = 0
         self._last_batch = 1
         self.last_choice: dict = {}  # explainability: what was chosen and why
         self.last_sources: dict[str, str] = {}
@@ -286,9 +291,11 @@ class AdaptiveDepthPolicy:
         self._steps += 1
         self._last_batch = max(1, len(requests))
         caps = {r.request_id: self._caps(r, options[r.request_id]) for r in requests}
+        self._usable = {s for cap in caps.values() for s in cap}
         max_depth = max((c for cap in caps.values() for c in cap.values()), default=0)
         if not requests or max_depth == 0:
             self.last_sources = {}
+            self._count_idle({})
             return {r.request_id: 0 for r in requests}, {}
         batch = len(requests)
         limit = self.cost.explore_limit(batch)
@@ -322,8 +329,9 @@ class AdaptiveDepthPolicy:
             choice, sources = self._park_or_probe(requests, caps, reason="not_worth_it")
         else:
             self._steps_parked = 0
-            if not self._probing:
-                self._probe_interval = PROBE_START
+            for source in set(sources.values()):  # chosen on its merits: probe it soon again
+                self._probe_interval[source] = PROBE_START
+        self._count_idle(sources)
         for request_id, depth in choice.items():
             if depth:
                 self._last_drafted[request_id] = self._steps
@@ -355,10 +363,9 @@ class AdaptiveDepthPolicy:
                 result.batch_size, depths, result.prefill_tokens, drafting
             )
         if self._probing:
-            self._probing = False
-            drafted_any = any(o.drafted for o in result.outcomes.values())
-            if drafted_any:
-                self._probe_interval = min(PROBE_MAX, self._probe_interval * 2)
+            source, self._probing = self._probing, None
+            if any(o.drafted for o in result.outcomes.values()):
+                self._probe_interval[source] = min(PROBE_MAX, self._probe_interval[source] * 2)
         finished = self._active - set(result.outcomes)
         for request_id in finished:
             for model in self.models.values():
@@ -465,24 +472,33 @@ class AdaptiveDepthPolicy:
         for extra in _extra_grid(total):
             yield extra, expected[extra], drafting[extra], lambda e=extra: picks_at(e)
 
+    def _count_idle(self, sources: dict[str, str]) -> None:
+        """Advance every source's steps-since-it-drafted counter (0 for those drafting now)."""
+        used = set(sources.values())
+        for source in self._idle:
+            self._idle[source] = 0 if source in used else self._idle[source] + 1
+
+    def _due_probe(self) -> str | None:
+        """The source a parked step would probe now: one usable source whose idle steps
+        reached its backoff interval (the most overdue), or None."""
+        due = [s for s in (DFLASH, LOOKUP)
+               if s in self._usable and self._idle[s] + 1 >= self._probe_interval[s]]  # fmt: skip
+        return max(due, key=lambda s: (self._idle[s] + 1) / self._probe_interval[s], default=None)
+
     def _park_or_probe(self, requests: list[Request], caps: dict[str, dict[str, int]],
                        reason: str) -> tuple[dict[str, int], dict[str, str]]:  # fmt: skip
         self._steps_parked += 1
-        if self._steps_parked % self._probe_interval == 0:
-            self._probing = True
+        source = self._due_probe()
+        if source is not None:
+            self._probing = source
             # Packed, a probe drafts one position for the few rows that drafted least recently,
             # so every request is re-measured in turn at the cost of a few positions.
-            self._probes += 1
-            eligible = [r.request_id for r in requests if caps[r.request_id]]
+            eligible = [r.request_id for r in requests if source in caps[r.request_id]]
             eligible.sort(key=lambda rid: self._last_drafted.get(rid, -1))
-            probed = set(eligible[:PROBE_ROWS]) if self.cost.packed else set(eligible)
-            depths, sources = {}, {}
-            for r in requests:
-                usable = [s for s in (DFLASH, LOOKUP) if s in caps[r.request_id]]
-                depths[r.request_id] = 1 if usable and r.request_id in probed else 0
-                if depths[r.request_id]:  # rotate, so every source gets probed again in time
-                    sources[r.request_id] = usable[self._probes % len(usable)]
-            return depths, sources
+            probed = eligible[:PROBE_ROWS] if self.cost.packed else eligible
+            return {r.request_id: int(r.request_id in probed) for r in requests}, dict.fromkeys(
+                probed, source
+            )
         for r in requests:
             rid = r.request_id
             useless = all(self.models[s].useful_depth(rid) == 0 for s in caps[rid])
@@ -501,8 +517,9 @@ class AdaptiveDepthPolicy:
 
     def expects_plain_next(self) -> bool:
         """Parked now: the next step parks too unless a probe falls due (or the measured
-        costs or the batch change the decision, which the runner then absorbs)."""
-        return (self._steps_parked + 1) % self._probe_interval != 0
+        costs, the batch or a new lookup match change the decision, which the runner then
+        absorbs)."""
+        return self._due_probe() is None
 
     def seed(self, samples: list[tuple[int, int, float]]) -> None:
         """Seed the cost model with a warm-up profile: (batch, width, seconds) triples of
@@ -533,7 +550,7 @@ class AdaptiveDepthPolicy:
             },
             "packed": self.cost.packed,
             "cost_samples": self.cost.samples,
-            "probe_interval": self._probe_interval,
+            "probe_interval": dict(self._probe_interval),
             "steps_parked": self._steps_parked,
             "last_choice": self.last_choice,
         }

@@ -137,7 +137,7 @@ def test_probe_backoff_while_parked_and_prompt_reengagement():
     history = sim.run(policy, requests, 4096)
     probes = sum(1 for d in history[-3000:] if any(d.values()))
     assert probes <= 12
-    assert policy.state()["probe_interval"] == PROBE_MAX
+    assert policy.state()["probe_interval"]["dflash"] == PROBE_MAX
     quality["p"] = [0.95] * 15  # acceptance returns
     history = sim.run(policy, requests, 2 * PROBE_MAX + 200)
     assert settled_width(history, 100) >= 5

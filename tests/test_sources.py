@@ -164,3 +164,37 @@ def test_scheduler_gives_lookup_only_to_matching_rows_within_each_requests_sourc
     assert plan.depths == {"a": 4, "b": 4, "c": 4, "d": 0, "e": 0}
     assert scheduler.last_parked == {"d": "no_match", "e": "request_disabled"}
     assert plan.lookup_watch == {"a", "b", "d"}
+
+
+class IntermittentMatchSimulator(TwoSourceSimulator):
+    """Lookup matches only on the steps `matches(step)` says (copy-heavy spans now and then)."""
+
+    def __init__(self, matches, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.matches, self.steps, self.all = matches, 0, None
+
+    def step(self, policy, reqs):
+        self.all = self.all or {r.request_id for r in reqs}
+        self.matched = self.all if self.matches(self.steps) else set()
+        self.steps += 1
+        return super().step(policy, reqs)
+
+
+@pytest.mark.parametrize("gap", [2, 5])
+def test_lookup_now_and_then_neither_resets_nor_blocks_the_dflash_probe_backoff(gap):
+    """Lookup drafts (and is accepted) on 3 steps, then has no match for `gap` steps; DFlash is
+    useless. Its probes back off all the same (lookup steps do not reset the cadence), and
+    once DFlash turns good it is re-tried and drafts again (lookup steps do not block it)."""
+    acceptance = {("r0", LOOKUP): [0.95] * 15, ("r0", DFLASH): [0.02] * 15}
+    sim = IntermittentMatchSimulator(
+        lambda step: step % (3 + gap) < 3, acceptance, set(),
+        lambda b, w: 0.05 + 0.001 * b * w, 0.004, packed=True,
+    )  # fmt: skip
+    policy, reqs = sim.policy(), requests(1)
+    history = run(sim, policy, reqs, 3000)
+    dflash_probes = sum(1 for _, _, dflash_rows in history[-2500:] if dflash_rows)
+    assert dflash_probes <= 25, dflash_probes  # a chance hit may re-engage it briefly
+    assert policy.state()["probe_interval"][DFLASH] >= 256
+    acceptance[("r0", DFLASH)] = [0.95] * 15
+    history = run(sim, policy, reqs, 1500)
+    assert sum(1 for _, _, dflash_rows in history[-200:] if dflash_rows) >= 100

@@ -183,6 +183,15 @@ class AsyncEngine:
             await self._loop_task
             self._loop_task = None
         if self._executor is not None:
+            # MLX keeps per-thread state (streams, the mx.compile cache holding Python
+            # objects) that its own thread-exit cleanup frees too late: racing interpreter
+            # finalization, it aborts the process ("terminate called without an active
+            # exception"). MLX asks worker threads to clear it before they end.
+            import mlx.core as mx  # here: engine/__init__ preloads BLAS before mlx loads
+
+            clear = getattr(mx, "clear_streams", None)
+            if clear is not None:
+                self._executor.submit(clear).result()
             self._executor.shutdown(wait=True)
             self._executor = None
 

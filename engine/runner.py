@@ -215,17 +215,19 @@ class ModelRunner:
                 continue
             state = self.states[chunk.request_id]
             ids = mx.array([state.prompt_ids[chunk.start : chunk.end]], dtype=mx.int32)
-            logits, features = self.target(ids, state.prefill_cache)
+            full = state.params.prompt_logprobs is not None
+            logits, last, features = self._prefill_forward(ids, state.prefill_cache, [ids.shape[1]],
+                                                           [full])  # fmt: skip
             if features is not None:
                 state.prefill_features.append(features[0])
-            if state.params.prompt_logprobs is not None:
+            if full:
                 self._prompt_logprobs_of(state, logits[0], chunk.start, chunk.end, chunk.last)
             if chunk.last:
                 first_tokens[chunk.request_id] = token = sample(
-                    logits[0, -1:], state.params, state.next_key()
+                    last[0], state.params, state.next_key()
                 )[0]
                 if state.params.logprobs is not None:
-                    first_logprobs.append(_logprobs_of([state], logits[:, -1:], token[None, None]))
+                    first_logprobs.append(_logprobs_of([state], last, token[None, None]))
         prefill_tokens = sum(c.end - c.start for c in plan.prefills)
 
         self._draft_seconds = 0.0
@@ -290,22 +292,42 @@ class ModelRunner:
         ids = mx.array([s.prompt_ids + [0] * (longest - len(s.prompt_ids)) for s in states],
                        dtype=mx.int32)  # fmt: skip
         cache = [RaggedKVCache(len(states)) for _ in self.target.layers]
-        logits, features = self.target(ids, cache)
+        full = [s.params.prompt_logprobs is not None for s in states]
+        logits, last, features = self._prefill_forward(ids, cache, lengths, full)
         for layer_cache in cache:
             layer_cache.trim_rows([longest - n for n in lengths])
         for row, (state, n) in enumerate(zip(states, lengths)):
             state.prefill_cache = [batched.take_rows([row]) for batched in cache]
             if features is not None:
                 state.prefill_features.append(features[row, :n])
-            if state.params.prompt_logprobs is not None:
+            if full[row]:
                 self._prompt_logprobs_of(state, logits[row], 0, n, True)
             first_tokens[state.request_id] = token = sample(
-                logits[row, n - 1 : n], state.params, state.next_key()
+                last[row], state.params, state.next_key()
             )[0]
             if state.params.logprobs is not None:
                 self._first_logprobs.append(
-                    _logprobs_of([state], logits[row : row + 1, n - 1 : n], token[None, None])
+                    _logprobs_of([state], last[row : row + 1], token[None, None])
                 )
+
+    def _prefill_forward(self, ids: mx.array, cache: list[RaggedKVCache], lengths: list[int],
+                         full: list[bool]):  # fmt: skip
+        """A prefill forward of `ids` [B, L] (row b real up to lengths[b]). Returns logits
+        [B, L, V] (None unless some row wants prompt logprobs: `full`), each row's last real
+        position's logits [B, 1, V], and features. Where the target's head is separable it runs
+        only on the positions read: one per row, not every prompt token."""
+        if not self.target.head_separable:
+            logits, features = self.target(ids, cache)
+        elif any(full):
+            hidden, features = self.target.hidden_states(ids, cache)
+            logits = self.target.unembed(hidden)
+        else:
+            hidden, features = self.target.hidden_states(ids, cache)
+            ends = mx.array([n - 1 for n in lengths], dtype=mx.int32)[:, None, None]
+            last_hidden = mx.take_along_axis(hidden, ends, axis=1)  # [B, 1, d]
+            return None, self.target.unembed(last_hidden), features
+        ends = mx.array([n - 1 for n in lengths], dtype=mx.int32)[:, None, None]
+        return logits, mx.take_along_axis(logits, ends, axis=1), features
 
     def _prompt_logprobs_of(self, state: _RowState, logits: mx.array, start: int, end: int,
                             last: bool) -> None:  # fmt: skip

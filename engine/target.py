@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from drafters.base import TargetShape
+from engine.packed import SUPPORTED_MODULES  # the families whose logits are the head's alone
 
 
 class UnsupportedTargetError(ValueError):
@@ -132,16 +133,40 @@ class TargetAdapter:
         return self._inner.embed_tokens.weight.dtype
 
     # ----------------------------------------------------------------- compute
+    @property
+    def head_separable(self) -> bool:
+        """Are this model's logits just `unembed` of its inner model's output? (mlx-lm
+        llama, qwen2, qwen3: the final norm's output, then the LM head or the tied embedding.)
+        Then a prefill can run the head on the few positions it reads."""
+        return type(self.model).__module__ in SUPPORTED_MODULES
+
     def __call__(
         self, tokens: mx.array, cache: list[Any] | None = None
     ) -> tuple[mx.array, mx.array | None]:
         """Forward `tokens` [B, L]; return logits [B, L, V] and features [B, L, K*d]."""
+        return self._tapped(self.model, tokens, cache)
+
+    def hidden_states(
+        self, tokens: mx.array, cache: list[Any] | None = None
+    ) -> tuple[mx.array, mx.array | None]:
+        """Forward `tokens` [B, L] without the LM head (only where `head_separable`): the
+        final normed hidden states [B, L, d], whose logits are `unembed(...)`, and features.
+        A prompt chunk reads one position's logits; the head over all of them would be
+        10-20% of the chunk's compute (a 49k-row head on SmolLM2)."""
+        if not self.head_separable:
+            raise UnsupportedTargetError(f"model type {self.model_type!r}: head not separable")
+        return self._tapped(self._inner, tokens, cache)
+
+    def _tapped(
+        self, module: nn.Module, tokens: mx.array, cache: list[Any] | None
+    ) -> tuple[mx.array, mx.array | None]:
+        """`module(tokens, cache=cache)` with the tapped layers' outputs recorded."""
         if not self.layer_ids:
-            return self.model(tokens, cache=cache), None
+            return module(tokens, cache=cache), None
         store = self._store
         store.armed = True
         try:
-            logits = self.model(tokens, cache=cache)
+            out = module(tokens, cache=cache)
         finally:
             store.armed = False
         outputs = store.outputs
@@ -156,7 +181,7 @@ class TargetAdapter:
                 f"{type(outputs[0]).__name__}, not an array of hidden states"
             )
         features = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=-1)
-        return logits, features
+        return out, features
 
     def embed(self, ids: mx.array) -> mx.array:
         """Raw token embeddings (no model-specific scaling)."""

@@ -63,3 +63,47 @@ def test_embedding_and_head(target_dir):
     assert mx.allclose(target.unembed(h), expected)
     assert target.hidden_size == 64 and target.num_layers == 6 and target.vocab_size > 300
     assert target.dtype == mx.float32  # compute dtype on the CPU backend
+
+
+def test_hidden_states_then_head_equal_the_forward(target_dir):
+    """A prefill may run the LM head on the positions it reads only: the inner model's output
+    and `unembed` give the forward's logits and the same features (llama and qwen3)."""
+    model, _ = load_target_model(target_dir)
+    target = TargetAdapter(model, [1, 3])
+    assert target.head_separable
+    tokens = mx.array([[5, 17, 99, 200, 31, 7], [9, 8, 7, 6, 5, 4]])
+    logits, features = target(tokens)
+    hidden, hidden_features = target.hidden_states(tokens)
+    assert mx.allclose(target.unembed(hidden), logits, atol=1e-5)
+    assert mx.allclose(hidden_features, features, atol=1e-6)
+
+
+def test_a_prompt_chunk_runs_the_head_on_one_position_per_row(qwen3_target_dir):
+    """Prefill (one chunk, and short prompts together) unembeds one position per prompt, not
+    every prompt token, unless the request asks for prompt logprobs."""
+    from engine.runner import ModelRunner
+    from engine.sampling import SamplingParams
+    from scheduler.plan import Admission, PrefillChunk, StepPlan
+
+    model, _ = load_target_model(qwen3_target_dir)
+    target = TargetAdapter(model, [1])
+    runner = ModelRunner(target, None)
+    shapes = []
+    unembed = target.unembed
+    target.unembed = lambda h: shapes.append(tuple(h.shape)) or unembed(h)
+
+    def prefill(prompts: dict[str, list[int]], prompt_logprobs=None):
+        shapes.clear()
+        params = SamplingParams(max_tokens=4, prompt_logprobs=prompt_logprobs)
+        plan = StepPlan(
+            admissions=[Admission(rid, ids, params) for rid, ids in prompts.items()],
+            prefills=[PrefillChunk(rid, 0, len(ids), True) for rid, ids in prompts.items()],
+        )
+        return runner.execute(plan)
+
+    result = prefill({"a": [5, 6, 7, 8, 9, 10, 11]})
+    assert shapes == [(1, 1, 64)] and set(result.first_tokens) == {"a"}
+    result = prefill({"b": [5, 6, 7, 8, 9], "c": [3, 4, 5, 6, 7, 8, 9, 10]})
+    assert shapes == [(2, 1, 64)] and set(result.first_tokens) == {"b", "c"}
+    prefill({"d": [5, 6, 7, 8, 9, 10, 11]}, prompt_logprobs=1)
+    assert shapes == [(1, 7, 64)]

@@ -21,7 +21,7 @@ import time
 
 import mlx.core as mx
 
-from bench.packed_step import _admit  # one prefill step admitting every prompt
+from bench.packed_step import _admit, print_ratio_table  # one prefill admits all
 from drafters.dflash.datagen import encode
 from drafters.lookup import LookupDrafter
 from engine.loading import load_pair
@@ -69,14 +69,9 @@ def main() -> None:
             started = time.perf_counter()
             forward()
             seconds[name].append(time.perf_counter() - started)
-    plain, plain_best = statistics.median(seconds["plain"]), min(seconds["plain"])
     context = statistics.mean(cache[0].lengths)
     print(f"{args.target}: {B} rows, mean context {context:.0f} tokens, {args.rounds} rounds")
-    print("| forward | median ms | / plain | best ms | / plain |\n|---|---:|---:|---:|---:|")
-    for name, values in seconds.items():
-        median, best = statistics.median(values), min(values)
-        print(f"| {name} | {1000 * median:.1f} | {median / plain:.2f}x "
-              f"| {1000 * best:.1f} | {best / plain_best:.2f}x |")  # fmt: skip
+    print_ratio_table("forward", seconds)
 
 
 if __name__ == "__main__":

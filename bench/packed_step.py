@@ -69,12 +69,16 @@ def main() -> None:
                 label = name if name == "plain" else f"{name}, {verify}"
                 seconds.setdefault(label, []).append(result.forward_seconds)
     runner.packed = packed
-    plain = statistics.median(seconds["plain"])
-    plain_best = min(seconds["plain"])
     context = statistics.mean(runner.cache[0].lengths)
-    # The best of the rounds is shown too: on a shared machine it is the least disturbed.
     print(f"{args.rows} rows, mean context {context:.0f} tokens, {args.rounds} rounds")
-    print("| step | median ms | / plain | best ms | / plain |\n|---|---:|---:|---:|---:|")
+    print_ratio_table("step", seconds)
+
+
+def print_ratio_table(kind: str, seconds: dict[str, list[float]]) -> None:
+    """Median and best milliseconds of each entry, and their ratios to `seconds["plain"]`'s.
+    The best of the rounds is shown too: on a shared machine it is the least disturbed."""
+    plain, plain_best = statistics.median(seconds["plain"]), min(seconds["plain"])
+    print(f"| {kind} | median ms | / plain | best ms | / plain |\n|---|---:|---:|---:|---:|")
     for label, values in seconds.items():
         median, best = statistics.median(values), min(values)
         print(

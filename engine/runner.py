@@ -216,8 +216,9 @@ class ModelRunner:
             state = self.states[chunk.request_id]
             ids = mx.array([state.prompt_ids[chunk.start : chunk.end]], dtype=mx.int32)
             full = state.params.prompt_logprobs is not None
-            logits, last, features = self._prefill_forward(ids, state.prefill_cache, [ids.shape[1]],
-                                                           [full])  # fmt: skip
+            logits, last, features = self._prefill_forward(
+                ids, state.prefill_cache, [ids.shape[1]], [full]
+            )
             if features is not None:
                 state.prefill_features.append(features[0])
             if full:
@@ -310,23 +311,21 @@ class ModelRunner:
                     _logprobs_of([state], last[row : row + 1], token[None, None])
                 )
 
-    def _prefill_forward(self, ids: mx.array, cache: list[RaggedKVCache], lengths: list[int],
-                         full: list[bool]):  # fmt: skip
+    def _prefill_forward(
+        self, ids: mx.array, cache: list[RaggedKVCache], lengths: list[int], full: list[bool]
+    ) -> tuple[mx.array | None, mx.array, mx.array | None]:
         """A prefill forward of `ids` [B, L] (row b real up to lengths[b]). Returns logits
         [B, L, V] (None unless some row wants prompt logprobs: `full`), each row's last real
         position's logits [B, 1, V], and features. Where the target's head is separable it runs
         only on the positions read: one per row, not every prompt token."""
+        ends = mx.array([n - 1 for n in lengths], dtype=mx.int32)[:, None, None]
         if not self.target.head_separable:
             logits, features = self.target(ids, cache)
-        elif any(full):
-            hidden, features = self.target.hidden_states(ids, cache)
-            logits = self.target.unembed(hidden)
-        else:
-            hidden, features = self.target.hidden_states(ids, cache)
-            ends = mx.array([n - 1 for n in lengths], dtype=mx.int32)[:, None, None]
-            last_hidden = mx.take_along_axis(hidden, ends, axis=1)  # [B, 1, d]
-            return None, self.target.unembed(last_hidden), features
-        ends = mx.array([n - 1 for n in lengths], dtype=mx.int32)[:, None, None]
+            return logits, mx.take_along_axis(logits, ends, axis=1), features
+        hidden, features = self.target.hidden_states(ids, cache)
+        if not any(full):
+            return None, self.target.unembed(mx.take_along_axis(hidden, ends, axis=1)), features
+        logits = self.target.unembed(hidden)
         return logits, mx.take_along_axis(logits, ends, axis=1), features
 
     def _prompt_logprobs_of(self, state: _RowState, logits: mx.array, start: int, end: int,

@@ -22,6 +22,16 @@
   candidates are one width D for everyone (capped per request), as the verify pays for the
   widest row anyway. When nothing beats plain decoding everyone decodes plainly (no
   drafter forward at all).
+- **What the tokens are worth.** With requests waiting, a row that finishes early is replaced
+  at once, so every committed token is worth the same and a choice is judged by its expected
+  tokens per second. With none waiting the batch is all the work there is: drafting for some
+  rows only makes them end first, while the batch runs on for its longest rows at nearly the
+  same step cost. Then a choice is judged by the step time it saves later. With rows sorted by
+  remaining tokens R (longest first), the batch still costs about F(R) = sum_k m(k) * R_k,
+  where m(k) = plain(k) - plain(k-1) is what the k-th row adds to a step. A choice is worth
+  F(R) - F(R - E), E being its expected committed tokens per row. A plain step is worth a
+  whole plain step, and so is every row's extra token. One extra token for one of 8 rows in
+  lockstep is worth only m(8), which on this CPU is next to nothing.
 - **Exploration and recovery.** Until a larger E has been measured the controller at most
   doubles the largest measured one. While parked it probes with exponential backoff (4, 8,
   ... 512 steps without drafting from a source; one backoff per source, so lookup drafting
@@ -244,10 +254,11 @@ class CostModel:
         self.max_extra_seen = max(self.max_extra_seen, extra if self.packed else extra // batch)
 
     def explore_limit(self, batch: int) -> int:
-        """The most extra positions worth trying now: packed, twice the most measured;
-        padded, one depth beyond the widest measured (for every row)."""
+        """The most extra positions worth trying now: packed, twice the most measured and at
+        least one per row (with nobody waiting, only drafting for every row may pay); padded,
+        one depth beyond the widest measured (for every row)."""
         if self.packed:
-            return max(1, 2 * self.max_extra_seen)
+            return max(batch, 2 * self.max_extra_seen)
         return batch * (self.max_extra_seen + 1)
 
 
@@ -273,6 +284,9 @@ class AdaptiveDepthPolicy:
         self._last_drafted: dict[str, int] = {}  # request id -> step it last drafted
         self._active: set[str] = set()
         self._last_batch = 1
+        self._waiting = 0  # requests queued behind the batch (the scheduler tells, each plan)
+        self._value_of = None  # the last choice's valuation (None: tokens all worth the same)
+        self._value_rows: set[str] = set()  # the rows it values
         self.last_choice: dict = {}  # explainability: what was chosen and why
         self.last_sources: dict[str, str] = {}
 
@@ -308,16 +322,21 @@ class AdaptiveDepthPolicy:
         if any(LOOKUP in g for g in gains.values()) or not scenarios:
             scenarios.append(False)
         plain = self.cost.predict_plain(batch)
-        plain_rate = batch / plain
+        value_of = self._value_of = self._valuer(requests)
+        self._value_rows = set(gains)
+        plain_value = float(batch) if value_of is None else value_of(dict.fromkeys(gains, 1.0))
+        plain_rate = plain_value / plain
         # Leaving the parked state takes a clear predicted gain: a noisy cost estimate must
         # not pull a parked batch back into drafting step after step.
         margin = 1.0 + (UNPARK_MARGIN if self._steps_parked else 0.0001)
         best, best_rate, best_extra = None, plain_rate, 0
-        table = [(0, float(batch), round(plain, 5), False)]
+        table = [(0, round(plain_value, 5), round(plain, 5), False)]
         for allow_dflash in scenarios:
             for extra, expected, drafting, picks in self._candidates(
                 gains, allow_dflash, max_depth, limit
             ):
+                if value_of is not None:
+                    expected = value_of(self._expected(gains, *picks()))
                 cost = plain + self.cost.predict_extra(batch, extra, drafting)
                 rate = expected / cost
                 table.append((extra, round(expected, 3), round(cost, 5), drafting))
@@ -472,6 +491,40 @@ class AdaptiveDepthPolicy:
         for extra in _extra_grid(total):
             yield extra, expected[extra], drafting[extra], lambda e=extra: picks_at(e)
 
+    @staticmethod
+    def _expected(gains: dict[str, dict[str, list[float]]], depths: dict[str, int],
+                  sources: dict[str, str]) -> dict[str, float]:  # fmt: skip
+        """Expected committed tokens per row under a choice."""
+        return {rid: gains[rid][sources[rid]][d] if d else 1.0 for rid, d in depths.items()}
+
+    def observe_queue(self, waiting: int) -> None:
+        """How many requests wait behind the batch (the scheduler tells before each choice)."""
+        self._waiting = waiting
+
+    def _valuer(self, requests: list[Request]):
+        """None when every committed token is worth the same (requests wait, or one row);
+        else value(expected tokens per row) -> seconds of later step time they save (see "What
+        the tokens are worth" in the module docstring)."""
+        batch = len(requests)
+        if self._waiting or batch == 1:
+            return None
+        remaining = {r.request_id: max(1, r.params.max_tokens - r.generated) for r in requests}
+        slopes, before = [], 0.0  # m(k): what the k-th longest row adds to a step
+        for k in range(1, batch + 1):
+            cost = max(before, self.cost.predict_plain(k))  # a noisy curve may dip
+            slopes.append(cost - before)
+            before = cost
+
+        def later(left: list[float]) -> float:
+            return sum(m * r for m, r in zip(slopes, sorted(left, reverse=True)))
+
+        now = later(list(remaining.values()))
+
+        def value(expected: dict[str, float]) -> float:
+            return now - later([max(0.0, remaining[rid] - e) for rid, e in expected.items()])
+
+        return value
+
     def _count_idle(self, sources: dict[str, str]) -> None:
         """Advance every source's steps-since-it-drafted counter (0 for those drafting now)."""
         used = set(sources.values())
@@ -513,7 +566,12 @@ class AdaptiveDepthPolicy:
         batch = max(1, self._last_batch)
         plain = self.cost.predict_plain(batch)
         wider = self.cost.predict(batch, [1] + [0] * (batch - 1), drafting=False)
-        return (batch + q) / batch > wider / plain
+        value_of, rows = self._value_of, self._value_rows
+        if value_of is None or request_id not in rows:
+            return (batch + q) / batch > wider / plain
+        plain_value = value_of(dict.fromkeys(rows, 1.0))
+        gain = value_of({**dict.fromkeys(rows, 1.0), request_id: 1.0 + q}) - plain_value
+        return gain / plain_value > (wider - plain) / plain
 
     def expects_plain_next(self) -> bool:
         """Parked now: the next step parks too unless a probe falls due (or the measured

@@ -29,6 +29,8 @@ class DepthPolicy(Protocol):
     # source too (`scheduler.sources.DraftOptions` per request id); without it the scheduler
     # asks `choose` and gives each drafting row lookup when it matches, else DFlash.
     # Optional: ``wants_lookup(request_id) -> bool``: would a lookup match be drafted?
+    # Optional: ``observe_queue(waiting: int)``: told before each choice how many requests wait
+    # behind the batch (unadmitted).
 
 
 def request_cap(request: Request, max_depth: int) -> int:

@@ -155,6 +155,9 @@ class Scheduler:
             request.prefilled = end
         self.last_parked = {}
         if self.running:
+            observe_queue = getattr(self.policy, "observe_queue", None)
+            if observe_queue is not None:  # what a token is worth depends on who waits
+                observe_queue(len(self.waiting))
             options = {r.request_id: self._options(r) for r in self.running}
             chosen, sources = self._choose(options)
             for request in self.running:

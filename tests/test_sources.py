@@ -47,8 +47,12 @@ class TwoSourceSimulator:
         self.packed = packed
 
     def policy(self) -> AdaptiveDepthPolicy:
-        """A controller told the verify's shape this simulator prices."""
-        return AdaptiveDepthPolicy(packed=self.packed)
+        """A controller told the verify's shape this simulator prices, and that requests wait
+        behind the batch (the steady state these never-ending requests stand for: a row that
+        finishes early is replaced, so every committed token is worth the same)."""
+        policy = AdaptiveDepthPolicy(packed=self.packed)
+        policy.observe_queue(4)
+        return policy
 
     def step(self, policy, reqs):
         options = {

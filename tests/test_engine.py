@@ -25,6 +25,7 @@ from engine import (
 )
 from engine.loading import load_target_model
 from engine.runner import ModelRunner
+from scheduler.depth import FixedDepthPolicy
 
 
 def plain_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
@@ -156,13 +157,27 @@ async def test_batch_invariance_with_accepted_drafts(qwen3_target_dir, vocab_siz
     assert accepted > 100, accepted
 
 
-async def test_depth_zero_runs_the_plain_path_without_drafter_forwards(
-    qwen3_target_dir, drafter_dir
-):
+async def test_drafting_off_engine_wide_loads_no_draft_source(qwen3_target_dir, drafter_dir):
+    """`num_speculative_tokens=0` for the engine: no request can draft, so no drafter and no
+    lookup index are loaded (plain steps would otherwise keep their sessions up to date)."""
     config = EngineConfig(
         target=str(qwen3_target_dir), drafter=str(drafter_dir), num_speculative_tokens=0
     )
     async with AsyncEngine(config) as engine:
+        assert engine.draft_sources == ()
+        assert engine._runner.drafter is None and engine._runner.lookup is None
+        results = await run_all(engine, [(f"p{i}", [5, 6, 7 + i], 12, None, 0) for i in range(4)])
+    model, _ = load_target_model(qwen3_target_dir)
+    for i, (tokens, last) in enumerate(results):
+        assert tokens == plain_greedy(model, [5, 6, 7 + i], 12)
+        assert last.drafted_tokens == 0
+
+
+async def test_depth_zero_runs_the_plain_path_without_drafter_forwards(
+    qwen3_target_dir, drafter_dir
+):
+    config = EngineConfig(target=str(qwen3_target_dir), drafter=str(drafter_dir))
+    async with AsyncEngine(config, depth_policy=FixedDepthPolicy(0)) as engine:
         drafter = engine._runner.drafter
         calls = []
         original = drafter.propose

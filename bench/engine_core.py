@@ -110,6 +110,7 @@ def _policy_config(args: argparse.Namespace, policy: str, max_concurrency: int):
     return EngineConfig(
         target=str(args.target), drafter=str(args.drafter), max_num_seqs=max_concurrency,
         max_waiting_requests=10_000, num_speculative_tokens=depth,
+        prefix_cache_bytes=0,  # rounds repeat the prompts: hits would measure the cache
     )  # fmt: skip
 
 

@@ -226,10 +226,13 @@ def build_engines(cfg: SuiteConfig) -> tuple[Any, list[BenchEngine]]:
                 what = f"AsyncEngine, {'adaptive' if depth is None else 'fixed'} draft depth"
                 engines.append(UnavailableEngine(name, "flashbatch", reason, False, what))
                 continue
+            # No prefix cache: prompts repeat across rounds, cells and the warm-up, so its hits
+            # would measure the cache (bench/prefix_ttft.py does), not decoding, and the mlx-lm
+            # engines have none.
             config = EngineConfig(
                 target=str(cfg.target), drafter=str(cfg.drafter) if cfg.drafter else None,
                 max_num_seqs=max(cfg.concurrency), max_waiting_requests=100_000,
-                num_speculative_tokens=depth, draft_sources=sources,
+                num_speculative_tokens=depth, draft_sources=sources, prefix_cache_bytes=0,
             )  # fmt: skip
             engines.append(FlashbatchEngine(name, config))
     return tokenizer, engines

@@ -380,5 +380,7 @@ def test_policies_choose_draft_sources(qwen3_target_dir):
         assert "no DFlash drafter" in by_name[name].reason  # reported as a failed row
     # Without a drafter the default sources are lookup alone: the engine still drafts.
     assert by_name["flashbatch adaptive"].config.served_sources() == ("lookup",)
+    # Prompts repeat across rounds and cells: prefix cache hits would measure the cache.
+    assert all(e.config.prefix_cache_bytes == 0 for e in engines if hasattr(e, "config"))
     with pytest.raises(ValueError, match="unknown draft sources"):
         policy_depth("3@eagle")

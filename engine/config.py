@@ -53,10 +53,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         self.served_sources()  # unknown names, or dflash without a drafter, fail here
 
     def served_sources(self) -> tuple[str, ...]:
-        """The draft sources this configuration serves (see `draft_sources`). None when drafting
-        is off engine-wide (`num_speculative_tokens=0`): no request could draft, so neither the
-        drafter nor the lookup index is loaded, and plain steps keep no draft sessions up to
-        date."""
+        """The draft sources this configuration serves (see `draft_sources`). None (empty) when
+        drafting is off engine-wide (`num_speculative_tokens=0`): no request could draft, so
+        neither the drafter nor the lookup index is loaded, and plain steps keep no draft
+        sessions up to date."""
         from scheduler.sources import engine_sources, parse_sources
 
         sources = engine_sources(parse_sources(self.draft_sources), self.drafter is not None)

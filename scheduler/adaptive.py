@@ -32,12 +32,13 @@
   F(R) - F(R - E), E being its expected committed tokens per row. A plain step is worth a
   whole plain step, and so is every row's extra token. One extra token for one of 8 rows in
   lockstep is worth only m(8), which on this CPU is next to nothing.
-- **Exploration and recovery.** Until a larger E has been measured the controller at most
-  doubles the largest measured one. While parked it probes with exponential backoff (4, 8,
-  ... 512 steps without drafting from a source; one backoff per source, so lookup drafting
-  now and then neither resets nor blocks the re-trying of DFlash); a probe drafts one
-  position for a few rows (those that drafted least recently), so it costs a few packed
-  positions, not a batch-wide width.
+- **Exploration and recovery.** Until a larger E has been measured the controller tries at
+  most twice the largest measured one, or one position per row if that is more (with nobody
+  waiting, drafting for every row may be the only choice that pays). While parked it probes
+  with exponential backoff (4, 8, ... 512 steps without drafting from a source; one backoff
+  per source, so lookup drafting now and then neither resets nor blocks the re-trying of
+  DFlash); a probe drafts one position for a few rows (those that drafted least recently),
+  so it costs a few packed positions, not a batch-wide width.
 - **Draft sources.** A row may draft from DFlash or from prompt lookup (`scheduler.sources`);
   acceptance is modelled per request *and per source* (one `AcceptanceModel` each). Every
   row takes the source with the most expected tokens, and every choice is priced twice: with
@@ -49,6 +50,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler.depth import request_cap
@@ -285,7 +287,8 @@ class AdaptiveDepthPolicy:
         self._active: set[str] = set()
         self._last_batch = 1
         self._waiting = 0  # requests queued behind the batch (the scheduler tells, each plan)
-        self._value_of = None  # the last choice's valuation (None: tokens all worth the same)
+        # The last choice's valuation (None: every token worth the same), for `wants_lookup`.
+        self._value_of: Callable[[dict[str, float]], float] | None = None
         self._value_rows: set[str] = set()  # the rows it values
         self.last_choice: dict = {}  # explainability: what was chosen and why
         self.last_sources: dict[str, str] = {}
@@ -339,7 +342,7 @@ class AdaptiveDepthPolicy:
                     expected = value_of(self._expected(gains, *picks()))
                 cost = plain + self.cost.predict_extra(batch, extra, drafting)
                 rate = expected / cost
-                table.append((extra, round(expected, 3), round(cost, 5), drafting))
+                table.append((extra, round(expected, 5), round(cost, 5), drafting))
                 if rate >= plain_rate * margin and rate > best_rate * 1.0001:
                     best, best_rate, best_extra = picks, rate, extra
         choice, sources = best() if best is not None else ({r.request_id: 0 for r in requests}, {})
@@ -501,7 +504,7 @@ class AdaptiveDepthPolicy:
         """How many requests wait behind the batch (the scheduler tells before each choice)."""
         self._waiting = waiting
 
-    def _valuer(self, requests: list[Request]):
+    def _valuer(self, requests: list[Request]) -> Callable[[dict[str, float]], float] | None:
         """None when every committed token is worth the same (requests wait, or one row);
         else value(expected tokens per row) -> seconds of later step time they save (see "What
         the tokens are worth" in the module docstring)."""

@@ -564,16 +564,17 @@ class AdaptiveDepthPolicy:
     def wants_lookup(self, request_id: str) -> bool:
         """Would a lookup match for this request likely be drafted? (The runner skips a
         lookahead plain step when such a row gets a match.) Judged for the row alone at
-        depth 1: its expected extra token against widening the latest batch's verify."""
+        depth 1: the worth of its expected extra token against widening the latest batch's
+        verify."""
         q = self.lookup_acceptance.estimate(request_id)[0]
         batch = max(1, self._last_batch)
         plain = self.cost.predict_plain(batch)
         wider = self.cost.predict(batch, [1] + [0] * (batch - 1), drafting=False)
-        value_of, rows = self._value_of, self._value_rows
-        if value_of is None or request_id not in rows:
-            return (batch + q) / batch > wider / plain
-        plain_value = value_of(dict.fromkeys(rows, 1.0))
-        gain = value_of({**dict.fromkeys(rows, 1.0), request_id: 1.0 + q}) - plain_value
+        plain_value, gain = float(batch), q  # every token worth the same
+        if self._value_of is not None and request_id in self._value_rows:
+            one_each = dict.fromkeys(self._value_rows, 1.0)  # a plain step's tokens
+            plain_value = self._value_of(one_each)
+            gain = self._value_of({**one_each, request_id: 1.0 + q}) - plain_value
         return gain / plain_value > (wider - plain) / plain
 
     def expects_plain_next(self) -> bool:

@@ -11,6 +11,7 @@ import mlx.nn as nn
 from drafters.dflash.checkpoint import load_dflash_model, read_config
 from drafters.dflash.config import validate_pairing
 from drafters.dflash.drafter import DFlashDrafter
+from drafters.dflash.vocab import read_draft_vocab
 from engine.models.gguf_dtype import converted_gguf_dtype
 from engine.platform import compute_dtype
 from engine.target import TargetAdapter, target_shape
@@ -61,4 +62,5 @@ def load_pair(target_path: str | Path, drafter_path: str | Path | None = None) -
     validate_pairing(config, target_shape(model), fc_width)
     target = TargetAdapter(model, config.target_layer_ids)
     draft_model = load_dflash_model(drafter_path, dtype=target.dtype)
-    return ModelPair(target, DFlashDrafter(draft_model, target), tokenizer)
+    drafter = DFlashDrafter(draft_model, target, draft_vocab=read_draft_vocab(drafter_path))
+    return ModelPair(target, drafter, tokenizer)

@@ -76,11 +76,20 @@ def _checked_inner(model: nn.Module) -> nn.Module:
     return inner
 
 
+def _embedding_size(embed: nn.Module) -> tuple[int, int]:
+    """(vocabulary, hidden size) of an embedding, quantized or not (a quantized one packs
+    several values into each stored word, so its weight's shape is not the matrix's)."""
+    if hasattr(embed, "scales"):
+        return int(embed.num_embeddings), int(embed.dims)
+    rows, width = embed.weight.shape
+    return int(rows), int(width)
+
+
 def target_shape(model: nn.Module) -> TargetShape:
     """Hidden size, layer count and vocabulary of an (untapped) mlx-lm model."""
     inner = _checked_inner(model)
-    rows, width = inner.embed_tokens.weight.shape
-    return TargetShape(_model_type(model), int(width), len(inner.layers), int(rows))
+    rows, width = _embedding_size(inner.embed_tokens)
+    return TargetShape(_model_type(model), width, len(inner.layers), rows)
 
 
 class TargetAdapter:
@@ -118,11 +127,11 @@ class TargetAdapter:
 
     @property
     def hidden_size(self) -> int:
-        return int(self._inner.embed_tokens.weight.shape[1])
+        return _embedding_size(self._inner.embed_tokens)[1]
 
     @property
     def vocab_size(self) -> int:
-        return int(self._inner.embed_tokens.weight.shape[0])
+        return _embedding_size(self._inner.embed_tokens)[0]
 
     @property
     def shape(self) -> TargetShape:
@@ -130,7 +139,9 @@ class TargetAdapter:
 
     @property
     def dtype(self) -> mx.Dtype:
-        return self._inner.embed_tokens.weight.dtype
+        """The compute dtype (a quantized embedding's scales carry it)."""
+        embed = self._inner.embed_tokens
+        return (embed.scales if hasattr(embed, "scales") else embed.weight).dtype
 
     # ----------------------------------------------------------------- compute
     @property
@@ -193,6 +204,23 @@ class TargetAdapter:
         if head is not None:
             return head(hidden)
         return self._inner.embed_tokens.as_linear(hidden)
+
+    def head_rows(self, token_ids: mx.array) -> mx.array:
+        """The LM head's rows [K, d] for `token_ids` (tied or not, dequantized if quantized):
+        `hidden @ head_rows(ids).T` is `unembed(hidden)[..., ids]`."""
+        head = getattr(self.model, "lm_head", None)
+        if head is None:
+            head = self._inner.embed_tokens
+        if getattr(head, "bias", None) is not None:
+            raise UnsupportedTargetError("an LM head with a bias cannot be restricted to rows")
+        if hasattr(head, "scales"):  # QuantizedLinear / QuantizedEmbedding
+            biases = getattr(head, "biases", None)
+            return mx.dequantize(
+                head.weight[token_ids], head.scales[token_ids],
+                None if biases is None else biases[token_ids],
+                group_size=head.group_size, bits=head.bits, mode=getattr(head, "mode", "affine"),
+            )  # fmt: skip
+        return head.weight[token_ids]
 
     def packed_verifier(self) -> Any:
         """The packed verify forward of this target (`engine.packed`), built once; None

@@ -96,11 +96,13 @@ def test_drafter_build_stages_end_to_end_on_the_bundled_target(tmp_path):
     """data -> fit -> eval -> export -> card, each recorded as a sitting; a second fit resumes."""
     from drafters.dflash import build
     from drafters.dflash.checkpoint import read_config
+    from drafters.dflash.vocab import read_draft_vocab
 
     work, dest = tmp_path / "work", tmp_path / "drafter"
     common = ["--target", "bundled", "--work-dir", str(work), "--per-kind", "1",
               "--concurrency", "4", "--layers", "1", "--block-size", "4", "--batch-size", "1",
-              "--num-anchors", "4", "--max-len", "256", "--feature-cache-mb", "64"]  # fmt: skip
+              "--num-anchors", "4", "--max-len", "256", "--feature-cache-mb", "64",
+              "--draft-vocab", "512"]  # fmt: skip
     build.main([*common, "--stages", "data,fit", "--steps", "2"])
     facts = build.data_facts(work)
     assert facts["records"] == 4 and set(facts["by_kind"]) == set(KINDS)
@@ -113,5 +115,8 @@ def test_drafter_build_stages_end_to_end_on_the_bundled_target(tmp_path):
     assert read_config(dest).block_size == 4
     card = (dest / "MODEL_CARD.md").read_text()
     assert "python -m drafters.dflash.build --target bundled" in card
+    assert "512 of the target's 4096 LM-head rows" in card
+    assert len(read_draft_vocab(dest)) == 512  # exported beside the weights
     evaluated = json.loads((work / "eval.json").read_text())["results"]
     assert set(evaluated) == set(KINDS) and all(r["tau"] >= 1.0 for r in evaluated.values())
+    assert all(0.0 < r["vocab_coverage"] <= 1.0 for r in evaluated.values())

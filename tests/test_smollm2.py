@@ -17,6 +17,7 @@ from mlx_lm.generate import generate_step
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.models.pull import pull
 from engine.models.registry import DEFAULT_MODEL
+from engine.models.resolve import default_drafter
 
 TOKENS = 24
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -101,6 +102,49 @@ def test_greedy_equals_mlx_lm_at_concurrency_1_and_8(mlx_lm_model, prompts):
         return alone, list(together)
 
     alone, together = asyncio.run(run())
+    assert alone == expected
+    assert together == expected * 2
+
+
+SHIPPED_DRAFTER = default_drafter(DEFAULT_MODEL)
+
+
+@pytest.mark.skipif(SHIPPED_DRAFTER is None, reason="no SmolLM2 drafter in this checkout")
+def test_the_shipped_drafter_is_lossless_at_concurrency_1_and_8(mlx_lm_model, prompts):
+    """DFlash drafts (fixed depth 3, DFlash only, so every step drafts) change nothing:
+    greedy output equals mlx-lm's plain greedy decoding, alone and 8 at once."""
+    from engine.loading import load_pair
+
+    assert load_pair(DEFAULT_MODEL, SHIPPED_DRAFTER).drafter.head is not None  # draft vocab
+    model, _ = mlx_lm_model
+    expected = [plain_greedy(model, ids, TOKENS) for ids in prompts]
+
+    async def run() -> tuple[list[list[int]], list[list[int]], int]:
+        config = EngineConfig(target=DEFAULT_MODEL, drafter=str(SHIPPED_DRAFTER),
+                              num_speculative_tokens=3, draft_sources=["dflash"],
+                              max_num_seqs=8)  # fmt: skip
+        params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+        drafted = 0
+        async with AsyncEngine(config) as engine:
+
+            def count(result) -> None:
+                nonlocal drafted
+                drafted += result.drafted_rows
+
+            engine.step_hooks.append(count)
+
+            async def one(ids: list[int]) -> list[int]:
+                tokens: list[int] = []
+                async for out in engine.generate(ids, params):
+                    tokens += out.token_ids
+                return tokens
+
+            alone = [await one(ids) for ids in prompts]
+            together = await asyncio.gather(*[one(ids) for ids in prompts * 2])
+        return alone, list(together), drafted
+
+    alone, together, drafted = asyncio.run(run())
+    assert drafted > 0  # the drafter did run
     assert alone == expected
     assert together == expected * 2
 

@@ -223,8 +223,8 @@ def test_resume_continues_at_saved_step(
     config = _train_config(tmp_path)
     real_save = train.save_checkpoint
 
-    def save_then_crash(model, optimizer, step, cfg):
-        real_save(model, optimizer, step, cfg)
+    def save_then_crash(model, optimizer, step, cfg, draft_vocab=None):
+        real_save(model, optimizer, step, cfg, draft_vocab)
         raise KeyboardInterrupt  # the run dies right after its first checkpoint
 
     monkeypatch.setattr(train, "save_checkpoint", save_then_crash)

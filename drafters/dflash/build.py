@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 DEFAULT_WORK_ROOT = Path.home() / ".cache" / "flashbatch" / "drafter-build"  # / <target name>
 EVAL_KINDS = ("completion", "editing", "chat", "prose")
 
@@ -89,6 +91,7 @@ def stage_fit(work: Path, target: str, args: argparse.Namespace) -> dict[str, An
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, num_anchors=args.num_anchors,
         max_len=args.max_len, out_dir=str(out), resume=True, checkpoint_every=50,
         progress=False, log_every=10, feature_cache_mb=args.feature_cache_mb,
+        draft_vocab_size=args.draft_vocab,
     )  # fmt: skip
     if has_checkpoint(out):
         from drafters.dflash.checkpoint import read_config
@@ -127,11 +130,13 @@ def stage_eval(
     from engine.speculative import generate
 
     pair = load_pair(target, drafter)
+    head = pair.drafter.head
+    in_vocab = None if head is None else set(np.array(head.token_ids).tolist())
     held = build_prompts("held_out", prompts_per_kind)
     results: dict[str, Any] = {}
     for kind in EVAL_KINDS:
         tally = {"greedy": [0, 0, 0, 0.0], "t1": [0, 0, 0, 0.0]}  # tokens, steps, committed, s
-        plain_tokens, plain_seconds = 0, 0.0
+        plain_tokens, plain_seconds, covered = 0, 0.0, 0
         for i, prompt in enumerate(p for p in held if p.kind == kind):
             ids = encode(pair.tokenizer, prompt)
             for name, temperature in (("greedy", 0.0), ("t1", 1.0)):
@@ -146,6 +151,8 @@ def stage_eval(
                 t[1] += len(out.steps)
                 t[2] += sum(s.committed for s in out.steps)
                 t[3] += time.perf_counter() - started
+                if name == "greedy":
+                    covered += sum(1 for x in out.token_ids if in_vocab is None or x in in_vocab)
             started = time.perf_counter()
             for _ in stream_generate(pair.target.model, pair.tokenizer, ids, max_tokens=max_tokens):
                 plain_tokens += 1
@@ -156,10 +163,11 @@ def stage_eval(
             "tau": greedy[2] / greedy[1], "tau_t1": t1[2] / t1[1],
             "spec_tok_s": greedy[0] / greedy[3], "mlx_lm_tok_s": plain_rate,
             "speedup": greedy[0] / greedy[3] / plain_rate,
+            "vocab_coverage": covered / max(1, greedy[0]),
         }  # fmt: skip
         print(f"{kind}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[kind].items()))
     record = {"depth": depth, "prompts_per_kind": prompts_per_kind, "max_tokens": max_tokens,
-              "results": results}  # fmt: skip
+              "draft_vocab": None if head is None else head.size, "results": results}  # fmt: skip
     (work / "eval.json").write_text(json.dumps(record, indent=1))
     return {"stage": "eval", **{k: round(v["tau"], 3) for k, v in results.items()}}
 
@@ -172,6 +180,7 @@ def stage_export(work: Path, dest: Path) -> dict[str, Any]:
 
 def write_card(work: Path, dest: Path, target: str) -> Path:
     from drafters.dflash.checkpoint import read_config
+    from drafters.dflash.vocab import read_draft_vocab
 
     config = read_config(dest)
     data = data_facts(work)
@@ -180,11 +189,18 @@ def write_card(work: Path, dest: Path, target: str) -> Path:
     ev = json.loads((work / "eval.json").read_text())
     rows = "\n".join(
         f"| {k} | {r['tau']:.2f} | {r['tau_t1']:.2f} | {r['spec_tok_s']:.1f} | "
-        f"{r['mlx_lm_tok_s']:.1f} | {r['speedup']:.2f}x |"
+        f"{r['mlx_lm_tok_s']:.1f} | {r['speedup']:.2f}x | {r.get('vocab_coverage', 1.0):.3f} |"
         for k, r in ev["results"].items()
     )
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(data["by_kind"].items()))
     commands = "\n".join(s["command"] for s in sittings)
+    vocab = read_draft_vocab(dest)
+    vocab_line = (
+        "none (the target's full LM head)" if vocab is None else
+        f"{len(vocab)} of the target's {config.vocab_size} LM-head rows (EAGLE-3 `d2t`, "
+        "`draft_vocab.safetensors`); the last column is the share of held-out greedy output "
+        "tokens it holds"
+    )  # fmt: skip
     last = fits[-1] if fits else {}
     card = f"""# DFlash drafter for `{target}`
 
@@ -200,6 +216,7 @@ float32 compute). z-lab layout: `config.json` + safetensors, bf16 storage.
   of the prompt mix ({kinds}); {data["generated_tokens"]} generated tokens,
   {data["total_tokens"]} tokens with prompts. Held-out prompts (by file / text hash) are never
   trained on.
+- Draft vocabulary: {vocab_line}.
 - Training: {last.get("steps", 0)} steps; last loss {last.get("loss", float("nan")):.3f},
   weighted accuracy {last.get("acc", float("nan")):.3f}; \
 {sum(s.get("seconds", 0) for s in fits) / 60:.0f} minutes over {len(fits)} sitting(s).
@@ -207,8 +224,9 @@ float32 compute). z-lab layout: `config.json` + safetensors, bf16 storage.
 ## Measured (held-out prompts, one request at a time, depth {ev["depth"]}, \
 {ev["max_tokens"]} tokens, {ev["prompts_per_kind"]} prompts per kind)
 
-| kind | tau greedy | tau T=1 | speculative tok/s | mlx-lm `stream_generate` tok/s | speedup |
-|---|---:|---:|---:|---:|---:|
+| kind | tau greedy | tau T=1 | speculative tok/s | mlx-lm `stream_generate` tok/s | speedup \
+| in draft vocabulary |
+|---|---:|---:|---:|---:|---:|---:|
 {rows}
 
 ## Sittings (exact commands, in order)
@@ -240,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-anchors", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--max-len", type=int, default=768)
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="train and draft over this many LM-head rows (0: all)",
+    )
     parser.add_argument("--feature-cache-mb", type=int, default=8192)
     parser.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per kind")
     parser.add_argument("--eval-max-tokens", type=int, default=128)

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from drafters.dflash.config import DFlashConfig, DrafterConfigError, validate_pairing
 from drafters.dflash.model import DFlashDraftModel
+from drafters.dflash.vocab import D2T_KEY, read_draft_vocab, to_d2t
 
 if TYPE_CHECKING:
     from drafters.dflash.drafter import DFlashDrafter
@@ -74,9 +76,13 @@ def load_dflash_model(path: str | Path, dtype: mx.Dtype | None = None) -> DFlash
 
 
 def save_dflash_model(
-    model: DFlashDraftModel, path: str | Path, dtype: mx.Dtype | None = None
+    model: DFlashDraftModel,
+    path: str | Path,
+    dtype: mx.Dtype | None = None,
+    draft_vocab: np.ndarray | None = None,
 ) -> None:
-    """Write `config.json` and `model.safetensors` in the z-lab layout."""
+    """Write `config.json` and `model.safetensors` in the z-lab layout (with a draft
+    vocabulary as EAGLE-3's `d2t` offsets, which z-lab's loader skips)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = model.config.to_dict()
@@ -84,6 +90,8 @@ def save_dflash_model(
     if dtype is not None:
         weights = {k: v.astype(dtype) for k, v in weights.items()}
     config["torch_dtype"] = str(next(iter(weights.values())).dtype).replace("mlx.core.", "")
+    if draft_vocab is not None:
+        weights[D2T_KEY] = to_d2t(draft_vocab)
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
 
@@ -95,4 +103,4 @@ def load_drafter(path: str | Path, target: TargetAdapter) -> DFlashDrafter:
     config = read_config(path)
     validate_pairing(config, target.shape, len(config.target_layer_ids) * config.hidden_size)
     model = load_dflash_model(path, dtype=target.dtype)
-    return DFlashDrafter(model, target)
+    return DFlashDrafter(model, target, draft_vocab=read_draft_vocab(path))

@@ -23,10 +23,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import numpy as np
 
 from drafters.base import Candidates
 from drafters.dflash.config import validate_pairing
 from drafters.dflash.model import DFlashDraftModel
+from drafters.dflash.vocab import DraftHead
 from engine.kv_cache import RaggedKVCache
 
 if TYPE_CHECKING:
@@ -57,6 +59,7 @@ class DFlashDrafter:
         target: TargetAdapter,
         flush_cap: int = FLUSH_CAP,
         truncate_block: bool = True,
+        draft_vocab: np.ndarray | None = None,
     ) -> None:
         config = model.config
         validate_pairing(config, target.shape, model.fc.weight.shape[1])
@@ -71,6 +74,8 @@ class DFlashDrafter:
         self.mask_token_id = config.mask_token_id
         self.flush_cap = flush_cap
         self.truncate_block = truncate_block
+        # The LM head restricted to the draft vocabulary (`vocab.py`); None: the full head.
+        self.head = DraftHead(target, draft_vocab) if draft_vocab is not None else None
         self._cache: list[RaggedKVCache] = model.make_cache(0)
         self._sessions: list[DFlashSession] = []  # open sessions; cache-row order once synced
         self._cache_rows: list[DFlashSession] = []  # whose row each cache row is
@@ -159,8 +164,13 @@ class DFlashDrafter:
         hidden = self.model(self.target.embed(mx.array(block)), cache, features, counts)
         self._write_back(rows, cache)
         # Only the rows that will be verified go through the (large) LM head.
-        logits = self.target.unembed(hidden[:, 1 : 1 + depth]).astype(mx.float32)
-        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        verified = hidden[:, 1 : 1 + depth]
+        if self.head is None:
+            logits = self.target.unembed(verified).astype(mx.float32)
+            tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        else:
+            logits = self.head(verified).astype(mx.float32)
+            tokens = self.head.to_target(mx.argmax(logits, axis=-1))
         probs = mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))
         return Candidates(tokens=tokens, probs=probs, depths=list(depths))
 

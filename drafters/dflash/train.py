@@ -47,6 +47,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from drafters.dflash.checkpoint import load_dflash_model, save_dflash_model
 from drafters.dflash.config import DFlashConfig, default_target_layer_ids
 from drafters.dflash.model import DFlashAttention, DFlashDraftModel
+from drafters.dflash.vocab import DraftHead, choose_draft_vocab, read_draft_vocab
 from engine.target import TargetAdapter
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class TrainConfig:
     gamma: float | None = None  # loss decay; None: `default_gamma(block_size)`
     max_len: int = 2048  # sequences are truncated to this many tokens
     train_on_prompt: bool = False  # False: only continuation tokens are labels
+    draft_vocab_size: int = 0  # > 0: train (and draft) over that many head rows (`vocab.py`)
     seed: int = 0
     checkpoint_every: int = 100  # optimizer steps; 0: only at the end
     feature_cache_mb: int = 4096  # target features kept between epochs (0: recompute each time)
@@ -301,23 +303,43 @@ def block_attention(
 
 
 def block_logits(
-    model: DFlashDraftModel, target: TargetAdapter, features: mx.array, blocks: BlockBatch
+    model: DFlashDraftModel,
+    target: TargetAdapter,
+    features: mx.array,
+    blocks: BlockBatch,
+    head: DraftHead | None = None,
 ) -> mx.array:
-    """Float32 logits [N, B-1, V] of rows 1..B-1 of every block (row 0 is the anchor)."""
+    """Float32 logits [N, B-1, V] of rows 1..B-1 of every block (row 0 is the anchor);
+    with a draft `head`, over its K rows instead of V."""
     dtype = model.norm.weight.dtype
     embeddings = mx.stop_gradient(target.embed(mx.array(blocks.block_ids))).astype(dtype)
     seq_len = features.shape[1]
     mask = mx.array(block_row_mask(seq_len, blocks.anchors, blocks.block_ids.shape[1]))
     anchors = mx.array(blocks.anchors, dtype=mx.int32)
     hidden = block_hidden_states(model, features, embeddings, anchors, mask)
+    if head is not None:
+        return head(hidden[:, 1:]).astype(mx.float32)
     return target.unembed(hidden[:, 1:]).astype(mx.float32)
 
 
+def restrict_labels(blocks: BlockBatch, head: DraftHead) -> BlockBatch:
+    """Labels as draft-vocabulary indices; a label outside the vocabulary weighs nothing
+    (the drafter cannot propose it, so there is nothing to learn there)."""
+    index = head.index_of[blocks.labels]
+    weights = np.where(index >= 0, blocks.weights, 0.0).astype(np.float32)
+    return BlockBatch(blocks.block_ids, blocks.anchors, np.maximum(index, 0), weights)
+
+
 def block_loss(
-    model: DFlashDraftModel, target: TargetAdapter, features: mx.array, blocks: BlockBatch
+    model: DFlashDraftModel,
+    target: TargetAdapter,
+    features: mx.array,
+    blocks: BlockBatch,
+    head: DraftHead | None = None,
 ) -> tuple[mx.array, mx.array]:
-    """Weighted cross-entropy ``sum(w*CE)/sum(w)`` and weighted argmax accuracy."""
-    logits = block_logits(model, target, features, blocks)
+    """Weighted cross-entropy ``sum(w*CE)/sum(w)`` and weighted argmax accuracy (with a
+    draft `head`, `blocks` carries `restrict_labels` labels)."""
+    logits = block_logits(model, target, features, blocks, head)
     labels = mx.array(blocks.labels)
     weights = mx.array(blocks.weights)
     total = mx.maximum(weights.sum(), 1e-9)
@@ -410,16 +432,21 @@ def load_sequences(path: str | Path, max_len: int | None = None) -> list[TrainSe
 
 # =================================================================== checkpoints
 def save_checkpoint(
-    model: DFlashDraftModel, optimizer: optim.Optimizer, step: int, config: TrainConfig
+    model: DFlashDraftModel,
+    optimizer: optim.Optimizer,
+    step: int,
+    config: TrainConfig,
+    draft_vocab: np.ndarray | None = None,
 ) -> None:
-    """Drafter (z-lab layout), optimizer state and step counter into `config.out_dir`.
+    """Drafter (z-lab layout, with its draft vocabulary), optimizer state and step counter
+    into `config.out_dir`.
 
     Files are written under temporary names and renamed; the step file goes last, so a crash
     mid-save leaves the previous checkpoint's step (resume then redoes a few steps at most).
     """
     out = Path(config.out_dir)
     staging = out / ".staging"
-    save_dflash_model(model, staging)
+    save_dflash_model(model, staging, draft_vocab=draft_vocab)
     for directory in (staging, out):
         (directory / STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(staging / OPTIMIZER_FILE), dict(tree_flatten(optimizer.state)))
@@ -527,7 +554,9 @@ def train(
         raise ValueError("no training sequence has a label to predict")
     block_size = model.config.block_size
     gamma = config.gamma or default_gamma(block_size)
-    value_and_grad = nn.value_and_grad(model, lambda f, b: block_loss(model, target, f, b))
+    draft_vocab = training_draft_vocab(config, sequences, target.vocab_size)
+    head = DraftHead(target, draft_vocab) if draft_vocab is not None else None
+    value_and_grad = nn.value_and_grad(model, lambda f, b: block_loss(model, target, f, b, head))
 
     features_of = FeatureCache(target, config.feature_cache_mb << 20)
     result = TrainResult(model, start)
@@ -542,6 +571,8 @@ def train(
             blocks = make_blocks(
                 sequence.tokens, anchors, block_size, model.config.mask_token_id, gamma
             )
+            if head is not None:
+                blocks = restrict_labels(blocks, head)
             features = features_of.get(index, sequence.tokens)
             (loss, acc), grads = value_and_grad(features, blocks)
             grads_sum = grads if grads_sum is None else tree_map(mx.add, grads_sum, grads)
@@ -556,10 +587,26 @@ def train(
         result.history.append((step + 1, float(np.mean(losses)), float(np.mean(accs))))
         _report(bar, result, optimizer, config)
         if _checkpoint_due(result.step, config):
-            save_checkpoint(model, optimizer, result.step, config)
+            save_checkpoint(model, optimizer, result.step, config, draft_vocab)
     if not (result.step > start and _checkpoint_due(result.step, config)):
-        save_checkpoint(model, optimizer, result.step, config)  # the final state, always kept
+        # the final state, always kept
+        save_checkpoint(model, optimizer, result.step, config, draft_vocab)
     return result
+
+
+def training_draft_vocab(
+    config: TrainConfig, sequences: list[TrainSequence], vocab_size: int
+) -> np.ndarray | None:
+    """The draft vocabulary a run trains over: the checkpoint's when resuming one that has
+    it (once chosen, it stays), else one chosen from the data when `draft_vocab_size` asks
+    for it (a run begun over the full head may switch once), else None (the full head)."""
+    if config.resume and has_checkpoint(config.out_dir):
+        stored = read_draft_vocab(config.out_dir)
+        if stored is not None:
+            return stored
+    if config.draft_vocab_size <= 0 or config.draft_vocab_size >= vocab_size:
+        return None
+    return choose_draft_vocab((s.tokens for s in sequences), config.draft_vocab_size, vocab_size)
 
 
 def _checkpoint_due(step: int, config: TrainConfig) -> bool:

@@ -187,13 +187,20 @@ def train_bundled_drafter(
 
 def export_drafter(work: Path, dest: Path = BUNDLED_DRAFTER) -> Path:
     from drafters.dflash.checkpoint import load_dflash_model
+    from drafters.dflash.vocab import D2T_KEY, read_draft_vocab, to_d2t
 
     model = load_dflash_model(work / "drafter")
     dest.mkdir(parents=True, exist_ok=True)
     config = model.config.to_dict()
     config["torch_dtype"] = "bfloat16"
     (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_sharded(dict(tree_flatten(model.parameters())), dest, mx.bfloat16)
+    weights = dict(tree_flatten(model.parameters()))
+    save_sharded(weights, dest, mx.bfloat16)
+    draft_vocab = read_draft_vocab(work / "drafter")
+    vocab_file = dest / "draft_vocab.safetensors"
+    vocab_file.unlink(missing_ok=True)
+    if draft_vocab is not None:  # int64 offsets, kept exact in a file of their own
+        mx.save_safetensors(str(vocab_file), {D2T_KEY: to_d2t(draft_vocab)})
     return dest
 
 

@@ -62,6 +62,7 @@ REGISTRY: dict[str, ModelEntry] = {
                 sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
                 size=98_362_432,
             ),
+            drafter="models/smollm2_drafter",  # trained here (drafters/dflash/build.py)
         ),
         ModelEntry(
             name=BUNDLED,

@@ -120,3 +120,27 @@ def test_drafter_build_stages_end_to_end_on_the_bundled_target(tmp_path):
     evaluated = json.loads((work / "eval.json").read_text())["results"]
     assert set(evaluated) == set(KINDS) and all(r["tau"] >= 1.0 for r in evaluated.values())
     assert all(0.0 < r["vocab_coverage"] <= 1.0 for r in evaluated.values())
+
+
+def test_a_fit_stopped_by_hand_is_recorded_as_a_sitting(tmp_path, monkeypatch):
+    """Ctrl-C during `fit` keeps the last checkpoint and still records the sitting (with the
+    step it reached), so the card lists every sitting's command."""
+    from drafters.dflash import build, train
+
+    work = tmp_path / "work"
+    work.mkdir()
+    record = {"key": "k", "kind": "prose", "prompt": "p", "chat": False, "prompt_tokens": 4,
+              "tokens": list(range(10, 60))}  # fmt: skip
+    (work / "data.jsonl").write_text(json.dumps(record) + "\n")
+    real_save = train.save_checkpoint
+
+    def save_then_stop(model, optimizer, step, config, draft_vocab=None):
+        real_save(model, optimizer, step, config, draft_vocab)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "save_checkpoint", save_then_stop)
+    build.main(["--target", "bundled", "--work-dir", str(work), "--stages", "fit", "--steps", "5",
+                "--layers", "1", "--block-size", "4", "--batch-size", "1", "--num-anchors", "4",
+                "--max-len", "64"])  # fmt: skip
+    (sitting,) = json.loads((work / "sittings.json").read_text())
+    assert sitting["stage"] == "fit" and sitting["steps"] == 5 and "interrupted" in sitting["note"]

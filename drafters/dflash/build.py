@@ -107,7 +107,15 @@ def stage_fit(work: Path, target: str, args: argparse.Namespace) -> dict[str, An
     tapped = TargetAdapter(model, drafter_config.target_layer_ids)
     sequences = load_sequences(work / "data.jsonl", config.max_len)
     started = time.perf_counter()
-    result = train(tapped, sequences, config, drafter_config)
+    try:
+        result = train(tapped, sequences, config, drafter_config)
+    except KeyboardInterrupt:  # stopped by hand: the last checkpoint (<= 50 steps back) stands
+        from drafters.dflash.train import STATE_FILE
+
+        step = json.loads((out / STATE_FILE).read_text())["step"] if has_checkpoint(out) else 0
+        return {"stage": "fit", "steps": step, "sequences": len(sequences),
+                "seconds": round(time.perf_counter() - started),
+                "note": "interrupted by hand; resumes from its last checkpoint"}  # fmt: skip
     tail = result.history[-20:]
     return {
         "stage": "fit", "steps": result.step, "sequences": len(sequences),
@@ -201,7 +209,8 @@ def write_card(work: Path, dest: Path, target: str) -> Path:
         "`draft_vocab.safetensors`); the last column is the share of held-out greedy output "
         "tokens it holds"
     )  # fmt: skip
-    last = fits[-1] if fits else {}
+    last = next((s for s in reversed(fits) if "loss" in s), {})  # an interrupted fit has none
+    steps = max((s.get("steps", 0) for s in fits), default=0)
     card = f"""# DFlash drafter for `{target}`
 
 Trained here by `python -m drafters.dflash.build` (2-core x86_64 CPU, MLX CPU backend,
@@ -217,7 +226,7 @@ float32 compute). z-lab layout: `config.json` + safetensors, bf16 storage.
   {data["total_tokens"]} tokens with prompts. Held-out prompts (by file / text hash) are never
   trained on.
 - Draft vocabulary: {vocab_line}.
-- Training: {last.get("steps", 0)} steps; last loss {last.get("loss", float("nan")):.3f},
+- Training: {steps} steps; last recorded loss {last.get("loss", float("nan")):.3f},
   weighted accuracy {last.get("acc", float("nan")):.3f}; \
 {sum(s.get("seconds", 0) for s in fits) / 60:.0f} minutes over {len(fits)} sitting(s).
 

@@ -171,6 +171,7 @@ class DFlashDrafter:
         else:
             logits = self.head(verified).astype(mx.float32)
             tokens = self.head.to_target(mx.argmax(logits, axis=-1))
+        # The drafter's confidence, normalised over the draft vocabulary when it has one.
         probs = mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))
         return Candidates(tokens=tokens, probs=probs, depths=list(depths))
 

@@ -1,9 +1,10 @@
 """A draft vocabulary: the drafter's LM head restricted to the tokens it is likely to propose.
 
 The drafter borrows the target's LM head. On SmolLM2 that head has 49,152 rows, and on a CPU it
-costs more than the drafter's own layers: 8 block rows through the full head take ~15-30 ms
-against a 65 ms plain target step. Proposals only need to be right where the target agrees, and
-the target's outputs concentrate on a few thousand tokens. So, as EAGLE-3 does, the drafter
+costs more than the drafter's own layers: a depth-7 proposal for one row took 49 ms with the
+full head and 26 ms over 16,384 rows, next to a 120 ms plain target step (README). Proposals
+only need to be right where the target agrees, and the target's outputs concentrate on a few
+thousand tokens. So, as EAGLE-3 does, the drafter
 scores a frequency-chosen subset of the head's rows and maps the winner back to a target id.
 Drafting stays lossless whatever the subset: the target verifies every proposal; a token the
 subset lacks can only end a draft early.

@@ -8,10 +8,9 @@ from typing import Any
 
 import mlx.nn as nn
 
-from drafters.dflash.checkpoint import load_dflash_model, read_config
+from drafters.dflash.checkpoint import load_drafter, read_config
 from drafters.dflash.config import validate_pairing
 from drafters.dflash.drafter import DFlashDrafter
-from drafters.dflash.vocab import read_draft_vocab
 from engine.models.gguf_dtype import converted_gguf_dtype
 from engine.platform import compute_dtype
 from engine.target import TargetAdapter, target_shape
@@ -59,8 +58,6 @@ def load_pair(target_path: str | Path, drafter_path: str | Path | None = None) -
         return ModelPair(TargetAdapter(model, []), None, tokenizer)
     config = read_config(drafter_path)
     fc_width = len(config.target_layer_ids) * config.hidden_size
-    validate_pairing(config, target_shape(model), fc_width)
+    validate_pairing(config, target_shape(model), fc_width)  # before tapping: the clear error
     target = TargetAdapter(model, config.target_layer_ids)
-    draft_model = load_dflash_model(drafter_path, dtype=target.dtype)
-    drafter = DFlashDrafter(draft_model, target, draft_vocab=read_draft_vocab(drafter_path))
-    return ModelPair(target, drafter, tokenizer)
+    return ModelPair(target, load_drafter(drafter_path, target), tokenizer)

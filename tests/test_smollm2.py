@@ -52,6 +52,32 @@ def plain_greedy(model, ids: list[int], n: int) -> list[int]:
     return [int(token) for token, _ in steps]
 
 
+async def greedy_alone_and_together(
+    config: EngineConfig, prompts: list[list[int]]
+) -> tuple[list[list[int]], list[list[int]], int]:
+    """Greedy outputs of each prompt alone, then of every prompt twice at once, and how many
+    drafter rows the engine ran."""
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    drafted = 0
+
+    def count(result) -> None:
+        nonlocal drafted
+        drafted += result.drafted_rows
+
+    async with AsyncEngine(config) as engine:
+        engine.step_hooks.append(count)
+
+        async def one(ids: list[int]) -> list[int]:
+            tokens: list[int] = []
+            async for out in engine.generate(ids, params):
+                tokens += out.token_ids
+            return tokens
+
+        alone = [await one(ids) for ids in prompts]
+        together = await asyncio.gather(*[one(ids) for ids in prompts * 2])
+    return alone, list(together), drafted
+
+
 def test_the_converted_model_has_smollm2s_shape(converted):
     config = json.loads((converted / "config.json").read_text())
     assert config["model_type"] == "llama"
@@ -86,22 +112,8 @@ def test_greedy_equals_mlx_lm_at_concurrency_1_and_8(mlx_lm_model, prompts):
     expected = [plain_greedy(model, ids, TOKENS) for ids in prompts]
     assert "Paris" in tokenizer.decode(expected[0])  # a sensible answer, not just equal ones
 
-    async def run() -> tuple[list[list[int]], list[list[int]]]:
-        config = EngineConfig(target=DEFAULT_MODEL, num_speculative_tokens=0, max_num_seqs=8)
-        params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
-        async with AsyncEngine(config) as engine:
-
-            async def one(ids: list[int]) -> list[int]:
-                tokens: list[int] = []
-                async for out in engine.generate(ids, params):
-                    tokens += out.token_ids
-                return tokens
-
-            alone = [await one(ids) for ids in prompts]
-            together = await asyncio.gather(*[one(ids) for ids in prompts * 2])
-        return alone, list(together)
-
-    alone, together = asyncio.run(run())
+    config = EngineConfig(target=DEFAULT_MODEL, num_speculative_tokens=0, max_num_seqs=8)
+    alone, together, _ = asyncio.run(greedy_alone_and_together(config, prompts))
     assert alone == expected
     assert together == expected * 2
 
@@ -119,31 +131,10 @@ def test_the_shipped_drafter_is_lossless_at_concurrency_1_and_8(mlx_lm_model, pr
     model, _ = mlx_lm_model
     expected = [plain_greedy(model, ids, TOKENS) for ids in prompts]
 
-    async def run() -> tuple[list[list[int]], list[list[int]], int]:
-        config = EngineConfig(target=DEFAULT_MODEL, drafter=str(SHIPPED_DRAFTER),
-                              num_speculative_tokens=3, draft_sources=["dflash"],
-                              max_num_seqs=8)  # fmt: skip
-        params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
-        drafted = 0
-        async with AsyncEngine(config) as engine:
-
-            def count(result) -> None:
-                nonlocal drafted
-                drafted += result.drafted_rows
-
-            engine.step_hooks.append(count)
-
-            async def one(ids: list[int]) -> list[int]:
-                tokens: list[int] = []
-                async for out in engine.generate(ids, params):
-                    tokens += out.token_ids
-                return tokens
-
-            alone = [await one(ids) for ids in prompts]
-            together = await asyncio.gather(*[one(ids) for ids in prompts * 2])
-        return alone, list(together), drafted
-
-    alone, together, drafted = asyncio.run(run())
+    config = EngineConfig(target=DEFAULT_MODEL, drafter=str(SHIPPED_DRAFTER),
+                          num_speculative_tokens=3, draft_sources=["dflash"],
+                          max_num_seqs=8)  # fmt: skip
+    alone, together, drafted = asyncio.run(greedy_alone_and_together(config, prompts))
     assert drafted > 0  # the drafter did run
     assert alone == expected
     assert together == expected * 2

@@ -108,6 +108,18 @@ class RaggedKVCache:
         end = max(self.lengths) if self.lengths else 0
         return self.keys[..., :end, :], self.values[..., :end, :]
 
+    def snapshot(self) -> tuple[mx.array | None, mx.array | None, list[int]]:
+        """The cache as it is now, to `restore` if lazily built writes are dropped unrun.
+        Holding it keeps the arrays alive, so a later write cannot update them in place:
+        hold it only until the decision."""
+        return self.keys, self.values, list(self.lengths)
+
+    def restore(self, snapshot: tuple[mx.array | None, mx.array | None, list[int]]) -> None:
+        """Back to `snapshot`: writes built since then (not yet computed) are never run."""
+        self.keys, self.values, lengths = snapshot
+        self.lengths = list(lengths)
+        self._offset = None
+
     def trim_rows(self, counts: list[int]) -> None:
         """Roll row b back by ``counts[b]`` positions. O(1): no data moves."""
         if len(counts) != self.batch_size:

@@ -129,6 +129,8 @@ class _Lookahead:
     keys: dict[str, mx.array | None]  # sampler keys before it, restored if it is discarded
     build_seconds: float  # building its graph (at the end of the previous step)
     eval_seconds: float = 0.0  # computing it (in `advance`)
+    # Built early (before the step's sync): the target cache before it, until it is kept.
+    cache_before: list[tuple] | None = None
 
     def select(self, rows: list[str]) -> None:
         """Keep only `rows` (requests left the batch): their outputs, in that order."""
@@ -240,6 +242,7 @@ class ModelRunner:
             self._discard(lookahead)
         if decode is None and self.rows:
             decode = self._decode(plan.depths, plan.sources)
+        early = self._launch_early(plan, decode)
 
         # The step's one host synchronisation.
         mx.eval(
@@ -263,7 +266,13 @@ class ModelRunner:
             result.prompt_logprobs.update(lazy.to_host())
         self._join(result.first_tokens)
         result.lookup_matches = {r: self.states[r].lookup_match for r in self.rows}
-        if plan.lookahead and self.rows and not self._lookup_due(plan.lookup_watch):
+        if early is not None and self._lookup_due(plan.lookup_watch):
+            self._unbuild(early)  # the next step will likely draft: never run it
+            early = None
+        if early is not None:
+            early.cache_before = None  # kept: its writes may now update the cache in place
+            self._lookahead = early
+        elif plan.lookahead and self.rows and not self._lookup_due(plan.lookup_watch):
             self._lookahead = self._launch_lookahead()
         result.kv_bytes = self.kv_bytes
         finished = time.perf_counter()
@@ -346,12 +355,39 @@ class ModelRunner:
         looked-ahead plain step would be thrown away."""
         return any(self.states[r].lookup_match for r in watched if r in self.states)
 
-    def _launch_lookahead(self) -> _Lookahead:
-        """Start the next plain decode step of every row now (after this step's joins)."""
+    def _launch_lookahead(self, anchors: mx.array | None = None) -> _Lookahead:
+        """Start the next plain decode step of every row now (after this step's joins), on
+        the rows' committed anchors or on `anchors` [B, 1], this step's still lazy tokens."""
         started = time.perf_counter()
         keys = {r: self.states[r].key for r in self.rows}
-        decode = self._decode({})
+        decode = self._decode({}, anchors=anchors)
         return _Lookahead(decode, list(self.rows), keys, time.perf_counter() - started)
+
+    def _launch_early(self, plan: StepPlan, decode: _Decode | None) -> _Lookahead | None:
+        """mlx-lm's pipelining: when this step is plain for every row and no request joins
+        after its sync, start this step's computation, then build the next plain step on its
+        lazy tokens while it runs. On the CPU backend `async_eval` returns with the end of the
+        graph still computing, so the next graph's Python-side build (a few ms) overlaps it.
+        A lookup match found at the commit can still call it off (`_unbuild`)."""
+        if (
+            decode is None
+            or not plan.lookahead
+            or decode.width
+            or any(chunk.last for chunk in plan.prefills)
+        ):
+            return None
+        mx.async_eval(decode.arrays())
+        cache_before = [layer_cache.snapshot() for layer_cache in self.cache]
+        lookahead = self._launch_lookahead(anchors=decode.targets[:, :1])
+        lookahead.cache_before = cache_before
+        return lookahead
+
+    def _unbuild(self, lookahead: _Lookahead) -> None:
+        """Drop an early lookahead before it runs: the cache as before it, keys given back."""
+        for layer_cache, before in zip(self.cache, lookahead.cache_before):
+            layer_cache.restore(before)
+        for request_id in lookahead.rows:
+            self.states[request_id].key = lookahead.keys[request_id]
 
     def advance(self) -> None:
         """Compute the launched lookahead step (if any). The engine queues this on the MLX
@@ -361,7 +397,8 @@ class ModelRunner:
         lookahead = self._lookahead
         if lookahead is not None and not lookahead.eval_seconds:
             started = time.perf_counter()
-            mx.eval(lookahead.decode.arrays())
+            # async: the graph's end computes on while the next step's graph is built
+            mx.async_eval(lookahead.decode.arrays())
             lookahead.eval_seconds = time.perf_counter() - started
 
     def _discard(self, lookahead: _Lookahead) -> None:
@@ -374,8 +411,13 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- decode
     def _decode(
-        self, depth_by_id: dict[str, int], source_by_id: dict[str, str] | None = None
+        self,
+        depth_by_id: dict[str, int],
+        source_by_id: dict[str, str] | None = None,
+        anchors: mx.array | None = None,
     ) -> _Decode:
+        """The step's forward for every row; `anchors` [B, 1] (lazy) replaces the rows'
+        committed anchors (only for a plain step launched before they are known)."""
         states = [self.states[r] for r in self.rows]
         sources = [self._row_source(r, depth_by_id, source_by_id or {}) for r in self.rows]
         depths = [
@@ -390,7 +432,10 @@ class ModelRunner:
                 depths[i] = len(drafts)  # no match after all: the row verifies plainly
                 sources[i] = LOOKUP if drafts else None
         width = max(depths)
-        anchors = mx.array([[s.anchor] for s in states], dtype=mx.int32)
+        if anchors is None:
+            anchors = mx.array([[s.anchor] for s in states], dtype=mx.int32)
+        elif width:
+            raise ValueError("lazy anchors are for plain steps only")
         drafting = [i for i, d in enumerate(depths) if d > 0 and sources[i] == DFLASH]
         if width:
             drafts = self._draft_matrix(states, depths, drafting, lookup_drafts, width)

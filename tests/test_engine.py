@@ -213,7 +213,8 @@ async def test_lookahead_used_and_discarded_keeps_outputs_exact(qwen3_target_dir
     """A looked-ahead plain step that is used or rolled back (cache lengths, sampler keys)
     changes nothing: greedy output equals mlx-lm (also with staggered arrivals, so rows join
     while a lookahead is in use), seeded sampling equals the same run without lookahead, and
-    the invariants hold after every step."""
+    the invariants hold after every step. Most lookaheads are built early, on the step's
+    still lazy tokens (mlx-lm's pipelining), the others after a join."""
     requests = [(f"q{i}", [5 + i, 17, 99 - i], 10 + i, None, 0) for i in range(6)]
     staggered = [(f"s{i}", [9 + i, 3, 50 + i], 14, None, 0.02 * i) for i in range(6)]
     model, _ = load_target_model(qwen3_target_dir)
@@ -229,6 +230,14 @@ async def test_lookahead_used_and_discarded_keeps_outputs_exact(qwen3_target_dir
             used, discarded = [], []
             original_discard, original_execute = runner._discard, runner.execute
             runner._discard = lambda la: discarded.append(1) or original_discard(la)
+            original_early = runner._launch_early
+
+            def launch_early(plan, decode):
+                lookahead = original_early(plan, decode)
+                early.append(lookahead is not None)
+                return lookahead
+
+            runner._launch_early = launch_early
 
             def execute(plan):
                 pending, before = runner._lookahead is not None, len(discarded)
@@ -253,10 +262,12 @@ async def test_lookahead_used_and_discarded_keeps_outputs_exact(qwen3_target_dir
 
     # Greedy, the scripted drafter strict about the committed order; arrivals at once and
     # staggered.
+    early: list[bool] = []
     (at_once, spread), used, discarded = await run(True, True, [(requests, {}), (staggered, {})])
     assert_greedy_exact(requests, at_once)
     assert_greedy_exact(staggered, spread)
     assert used > 5 and discarded > 5, (used, discarded)
+    assert sum(early) > 5, early
     # Seeded sampling: identical with and without lookahead.
     sampled = {}
     for lookahead in (True, False):

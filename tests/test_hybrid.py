@@ -339,24 +339,35 @@ class PlainPolicy:
 async def test_no_lookahead_while_a_row_that_would_take_lookup_has_a_match(
     qwen3_target_dir, vocab_size
 ):
-    """A looked-ahead plain step is wasted when the next plan drafts: the runner launches none
-    after a step that leaves a row the policy would give lookup drafts with a match, and
-    launches them as before when the policy would not."""
+    """A looked-ahead plain step is wasted when the next plan drafts: the runner keeps none
+    after a step that leaves a row the policy would give lookup drafts with a match (one
+    built early, before the match was known, is dropped unrun and the cache restored), and
+    keeps them as before when the policy would not."""
     prompt = repetitive_prompt(1, vocab_size, unit=2, times=6)
     model, _ = load_target_model(qwen3_target_dir)
-    launched, matched = {}, {}
+    kept, matched, unbuilt = {}, {}, {}
     for wants in (True, False):
         config = EngineConfig(target=str(qwen3_target_dir), max_num_seqs=2)
         async with AsyncEngine(config, depth_policy=PlainPolicy(wants)) as engine:
             runner = engine._runner
-            launched[wants], matched[wants] = [], []
-            original = runner._launch_lookahead
-            runner._launch_lookahead = lambda w=wants, f=original: launched[w].append(1) or f()
+            kept[wants], matched[wants], unbuilt[wants] = [], [], []
+            original_unbuild = runner._unbuild
+            runner._unbuild = lambda la, w=wants, f=original_unbuild: unbuilt[w].append(1) or f(la)
             engine.step_hooks.append(
                 lambda r, w=wants: matched[w].append(any(r.lookup_matches.values()))
             )
+            original_execute = runner.execute
+
+            def execute(plan, w=wants, run=runner, f=original_execute):
+                result = f(plan)
+                if run._lookahead is not None:  # read on the MLX thread, before `advance`
+                    kept[w].append(1)
+                return result
+
+            runner.execute = execute
             results = await run_all(engine, [("w", prompt, 24, None, 0)])
         assert results[0][0] == plain_greedy(model, prompt, 24)
     assert matched[True] == matched[False] and sum(matched[True]) >= 2
-    assert len(launched[True]) <= matched[True].count(False)
-    assert len(launched[False]) >= len(launched[True]) + sum(matched[True]) - 1
+    assert len(kept[True]) <= matched[True].count(False)
+    assert len(kept[False]) >= len(kept[True]) + sum(matched[True]) - 1
+    assert unbuilt[True] and not unbuilt[False]

@@ -188,3 +188,23 @@ def test_put_rows_of_a_contiguous_run_writes_those_rows_only():
     assert keys[0, 0, :3, 0].tolist() == [0, 1, 2] and keys[3, 0, :3, 0].tolist() == [9, 10, 11]
     assert keys[1, 0, :5, 0].tolist() == [3, 4, 5, -1, -1]
     assert values[2, 0, :4, 0].tolist() == [6, 7, 8, -1]
+
+
+def test_restore_drops_writes_built_since_the_snapshot_unrun():
+    """An early lookahead called off before it runs: the cache goes back to the very arrays
+    it held (so the dropped writes are never computed) and to its lengths, and a write after
+    the restore lands where it would have without the dropped one."""
+    cache = RaggedKVCache(2)
+    first = mx.ones((2, 1, 3, 4))
+    cache.write(first, first, [3, 2])
+    mx.eval(cache.keys, cache.values)
+    before = cache.snapshot()
+    keys, values = cache.keys, cache.values
+    cache.write(mx.full((2, 1, 1, 4), 7.0), mx.full((2, 1, 1, 4), 7.0))
+    assert cache.lengths == [4, 3] and cache.keys is not keys
+    cache.restore(before)
+    assert cache.keys is keys and cache.values is values and cache.lengths == [3, 2]
+    cache.write(mx.full((2, 1, 1, 4), 5.0), mx.full((2, 1, 1, 4), 5.0))
+    fetched, _ = cache.fetch()
+    assert cache.lengths == [4, 3]
+    assert fetched[0, 0, 3].tolist() == [5.0] * 4 and fetched[1, 0, 2].tolist() == [5.0] * 4

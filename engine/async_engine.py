@@ -140,6 +140,7 @@ class AsyncEngine:
         self._loop_task = asyncio.create_task(self._run(), name="flashbatch-scheduler")
 
     def _load(self) -> tuple[Any, Any]:
+        from engine import cpu_kernels
         from engine.loading import load_pair
         from engine.platform import report_blas
         from engine.runner import ModelRunner
@@ -148,6 +149,9 @@ class AsyncEngine:
         sources = self.config.served_sources()
         drafter = self.config.drafter if DFLASH in sources else None  # lookup only: no taps
         pair = load_pair(self.config.target, drafter)
+        if self.config.cpu_kernels and cpu_kernels.wanted():
+            reason = pair.target.use_cpu_kernels()
+            log.info("CPU kernels (attention, SwiGLU): %s", reason or "on")
         runner = ModelRunner(pair.target, pair.drafter, profile_phases=self.config.profile_phases,
                              lookup=self._lookup_drafter(sources),
                              packed_verify=self.config.packed_verify)  # fmt: skip

@@ -28,6 +28,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Verify rows packed (each row pays for its own 1 + depth positions) where the target's
     # architecture allows (mlx-lm llama, qwen2, qwen3); False: the padded verify everywhere.
     packed_verify: bool = True
+    # On the CPU backend, attention and SwiGLU on a vectorised exp (engine.cpu_kernels);
+    # ignored on Metal and CUDA, whose fused kernels are fast.
+    cpu_kernels: bool = True
     profile_phases: bool = False  # time draft and verify apart (costs one extra sync per step)
     # Draft sources served: "dflash" (needs `drafter`) and/or "lookup" (n-gram lookup over each
     # request's prompt and output, no forward). None: both where a drafter is given, lookup

@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine import cpu_kernels
 from engine.kv_cache import RaggedKVCache
 
 log = logging.getLogger(__name__)
@@ -121,9 +122,13 @@ def verify_mask(lengths: list[int], first: int, width: int, key_length: int) -> 
 
 
 def row_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float
-) -> mx.array:
-    """Attention of each row's queries [R, h, W, D] over its own cache rows [R, kv, T, D]."""
+    queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float,
+    cpu: bool = False,
+) -> mx.array:  # fmt: skip
+    """Attention of each row's queries [R, h, W, D] over its own cache rows [R, kv, T, D]
+    (`cpu`: on `engine.cpu_kernels`)."""
+    if cpu:
+        return cpu_kernels.attention(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
@@ -172,7 +177,9 @@ def _heads(x: mx.array, index: mx.array, rows: int) -> mx.array:
     return gathered.reshape(rows, -1, x.shape[1], x.shape[3]).transpose(0, 2, 1, 3)
 
 
-def _attention(attn: nn.Module, x: mx.array, cache: RaggedKVCache, idx: _Indices) -> mx.array:
+def _attention(
+    attn: nn.Module, x: mx.array, cache: RaggedKVCache, idx: _Indices, cpu: bool
+) -> mx.array:
     """The layer's attention on packed x [1, N, H], reading and writing the ragged cache."""
     N = x.shape[1]
     layout = idx.layout
@@ -193,14 +200,14 @@ def _attention(attn: nn.Module, x: mx.array, cache: RaggedKVCache, idx: _Indices
     outputs = [
         row_attention(
             _heads(queries, idx.anchors, B), cached_keys, cached_values, idx.anchor_mask,
-            attn.scale,
+            attn.scale, cpu,
         ).reshape(B, -1)
     ]  # fmt: skip
     if idx.drafting is not None:
         rows = idx.drafts.shape[0] // idx.draft_width
         drafted = row_attention(
             _heads(queries, idx.drafts, rows), cached_keys[idx.drafting],
-            cached_values[idx.drafting], idx.draft_mask, attn.scale,
+            cached_values[idx.drafting], idx.draft_mask, attn.scale, cpu,
         )  # fmt: skip
         outputs.append(drafted.transpose(0, 2, 1, 3).reshape(rows * idx.draft_width, -1))
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
@@ -225,11 +232,12 @@ class PackedVerifier:
         if list(cache[0].lengths) != list(layout.lengths):
             raise ValueError("layout lengths do not match the cache")
         idx = _Indices(layout)
+        cpu = self.target.cpu_kernels  # its MLPs already run on them
         taps = set(self.target.layer_ids)
         tapped: list[mx.array] = []
         h = self._inner.embed_tokens(tokens[None])  # [1, N, H]
         for i, (layer, layer_cache) in enumerate(zip(self._inner.layers, cache)):
-            h = h + _attention(layer.self_attn, layer.input_layernorm(h), layer_cache, idx)
+            h = h + _attention(layer.self_attn, layer.input_layernorm(h), layer_cache, idx, cpu)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in taps:
                 tapped.append(h[0])

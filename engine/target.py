@@ -222,6 +222,21 @@ class TargetAdapter:
             )  # fmt: skip
         return head.weight[token_ids]
 
+    def use_cpu_kernels(self) -> str | None:
+        """Run this model's attention and SwiGLU on the CPU kernels (`engine.cpu_layers`).
+        Returns why not (None when they are on): only the llama, qwen2 and qwen3 families."""
+        from engine import cpu_layers
+
+        if type(self.model).__module__ not in SUPPORTED_MODULES:
+            return f"model module {type(self.model).__module__!r} is not llama, qwen2 or qwen3"
+        reason = cpu_layers.unsupported_reason(self.layers)
+        if reason is None:
+            cpu_layers.install(self.layers)
+            self.cpu_kernels = True
+        return reason
+
+    cpu_kernels = False  # set by `use_cpu_kernels`
+
     def packed_verifier(self) -> Any:
         """The packed verify forward of this target (`engine.packed`), built once; None
         (with the reason logged) for models it does not cover: they verify padded."""

@@ -38,15 +38,21 @@ def _tiny_model(model_type: str, seed: int, tied: bool = False):
 
 @pytest.fixture(
     scope="module",
-    params=["llama", "qwen2", "qwen3", "qwen3-tied", "bundled"],
+    params=["llama", "qwen2", "qwen3", "qwen3-tied", "bundled", "llama-cpu", "bundled-cpu"],
 )
 def target(request) -> TargetAdapter:
-    if request.param == "bundled":
+    """A target per family; "-cpu": on the CPU kernels (engine.cpu_kernels), which the
+    packed attention then uses too."""
+    if request.param.startswith("bundled"):
         model, _ = load_target_model(bundled_paths()[0])
-        return TargetAdapter(model, [1, 3, 5])
-    model_type = request.param.split("-")[0]
-    model = _tiny_model(model_type, seed=7, tied=request.param.endswith("tied"))
-    return TargetAdapter(model, [0, 2])
+        adapter = TargetAdapter(model, [1, 3, 5])
+    else:
+        model_type = request.param.split("-")[0]
+        model = _tiny_model(model_type, seed=7, tied=request.param.endswith("tied"))
+        adapter = TargetAdapter(model, [0, 2])
+    if request.param.endswith("-cpu"):
+        assert adapter.use_cpu_kernels() is None
+    return adapter
 
 
 def _batch(target: TargetAdapter, seed: int, depths: list[int]):
@@ -143,7 +149,7 @@ def test_layout_maps_rows_to_packed_positions():
         PackedLayout.build([0, 1], [1, 1])
 
 
-def _rows_mixed(queries, keys, values, mask, scale):
+def _rows_mixed(queries, keys, values, mask, scale, cpu=False):
     """Broken: every row attends to its neighbour row's keys and values."""
     keys, values = mx.roll(keys, 1, axis=0), mx.roll(values, 1, axis=0)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
@@ -158,11 +164,14 @@ def _sees_later_positions(lengths, first, width, key_length):
     )
 
 
+@pytest.mark.parametrize("cpu", [False, True])
 @pytest.mark.parametrize("broken", ["row_attention", "verify_mask"])
-def test_a_broken_row_boundary_fails_the_equality_check(monkeypatch, broken):
+def test_a_broken_row_boundary_fails_the_equality_check(monkeypatch, broken, cpu):
     """Mutation test: the equality check above catches attention across rows and attention to
-    later verify positions (so it is not vacuous)."""
+    later verify positions (so it is not vacuous), with MLX's attention and the CPU kernels."""
     target = TargetAdapter(_tiny_model("qwen3", seed=7), [0, 2])
+    if cpu:
+        assert target.use_cpu_kernels() is None
     prompts, verify = _batch(target, seed=6, depths=[0, 3, 1, 0, 7, 2])
     assert _max_error(target, prompts, verify) < TOLERANCE
     variant = _rows_mixed if broken == "row_attention" else _sees_later_positions

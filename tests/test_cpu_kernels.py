@@ -1,0 +1,96 @@
+"""The CPU kernels (engine.cpu_kernels, engine.cpu_layers) equal MLX's own to float32 rounding."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from engine import RaggedKVCache, cpu_kernels
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.loading import load_pair
+
+
+def test_fast_exp_has_float32_precision_and_underflows_to_zero():
+    x = mx.concatenate([mx.linspace(-87.0, 88.0, 200_001), mx.array([0.0, 1.0, -0.5, 0.5])])
+    exact = mx.exp(x)
+    relative = mx.abs(cpu_kernels.fast_exp(x) - exact) / exact
+    assert relative.max().item() < 3e-7
+    tiny = cpu_kernels.fast_exp(mx.array([-mx.inf, -1e4, -100.0])).tolist()
+    assert all(0.0 <= t < 1e-37 for t in tiny)
+
+
+def test_swiglu_equals_silu_times_x():
+    gate, x = mx.random.normal((4, 7, 300)) * 6, mx.random.normal((4, 7, 300))
+    expected = nn.silu(gate) * x
+    assert mx.allclose(cpu_kernels.swiglu(gate, x), expected, rtol=1e-5, atol=1e-6).item()
+
+
+def _qkv(B: int, H: int, KV: int, L: int, T: int, D: int = 32):
+    mx.random.seed(B * 1000 + L * 10 + T)
+    return (mx.random.normal((B, H, L, D)), mx.random.normal((B, KV, T, D)),
+            mx.random.normal((B, KV, T, D)))  # fmt: skip
+
+
+@pytest.mark.parametrize("block_scores", [1 << 18, 1 << 10])  # small: many query blocks
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 6, 2, 1, 40), (5, 9, 3, 1, 70), (3, 4, 4, 4, 50), (2, 6, 2, 64, 64), (1, 6, 2, 90, 200)],
+)
+def test_attention_equals_mlx_sdpa_for_every_mask_kind(monkeypatch, block_scores, shape):
+    """No mask (decode), "causal" (a prompt chunk after a cached prefix: L < T), a ragged
+    boolean mask (rows of different lengths, as `RaggedKVCache.make_mask` builds it) and an
+    additive one, with grouped-query heads; with one block and with many query blocks."""
+    monkeypatch.setattr(cpu_kernels, "_BLOCK_SCORES", block_scores)
+    B, H, KV, L, T = shape
+    q, k, v = _qkv(B, H, KV, L, T)
+    lengths = [T - L - (3 * b) % max(1, T - L) for b in range(B)]
+    key_pos = mx.arange(T)[None, None, None, :]
+    ragged = key_pos <= mx.array(lengths)[:, None, None, None] + mx.arange(L)[None, None, :, None]
+    additive = mx.where(ragged, 0.0, -1e9)
+    for mask in (None, "causal", ragged, additive):
+        expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+        got = cpu_kernels.attention(q, k, v, 0.3, mask)
+        assert got.shape == expected.shape
+        assert mx.allclose(got, expected, rtol=1e-4, atol=1e-5).item(), (shape, mask)
+
+
+def test_a_causal_block_that_sees_a_later_key_fails_the_comparison(monkeypatch):
+    """Mutation check: attending one key too far (the bug blocking could bring) is caught."""
+    monkeypatch.setattr(cpu_kernels, "_BLOCK_SCORES", 1 << 10)
+    q, k, v = _qkv(1, 6, 2, 90, 200)
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask="causal")
+    leaky = mx.arange(200)[None, :] <= (mx.arange(90) + 111)[:, None]  # one key too many
+    got = cpu_kernels.attention(q, k, v, 0.3, leaky)
+    assert not mx.allclose(got, expected, rtol=1e-4, atol=1e-5).item()
+
+
+def test_a_model_on_cpu_kernels_gives_the_stock_logits(target_dir, vocab_size):
+    """The bundled target with the kernels installed: the same parameters, and logits equal
+    the stock model's for a ragged batched prompt and a verify after it; the stock model,
+    loaded apart, keeps the stock code."""
+    stock, fast = load_pair(target_dir, None).target, load_pair(target_dir, None).target
+    assert fast.use_cpu_kernels() is None and fast.cpu_kernels and not stock.cpu_kernels
+    assert type(fast.layers[0].self_attn).__name__.startswith("Cpu")
+    assert not type(stock.layers[0].self_attn).__name__.startswith("Cpu")
+    assert fast.model.parameters().keys() == stock.model.parameters().keys()
+    ids = mx.random.randint(0, vocab_size, (3, 150))
+    outputs = []
+    for target in (stock, fast):
+        cache = [RaggedKVCache(3) for _ in target.layers]
+        prompt, _ = target(ids, cache)
+        for c in cache:
+            c.trim_rows([0, 40, 77])  # ragged rows, as after rollbacks
+        verify, _ = target(ids[:, :4], cache)
+        outputs.append((prompt, verify))
+    for a, b in zip(*outputs):
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item()
+
+
+async def test_the_engine_runs_on_cpu_kernels_unless_turned_off(target_dir):
+    for enabled in (True, False):
+        async with AsyncEngine(EngineConfig(target=str(target_dir), cpu_kernels=enabled)) as engine:
+            target = engine._runner.target
+            assert target.cpu_kernels is enabled
+            assert type(target.layers[0].mlp).__name__.startswith("Cpu") is enabled

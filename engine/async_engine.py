@@ -152,6 +152,8 @@ class AsyncEngine:
         if self.config.cpu_kernels and cpu_kernels.wanted():
             reason = pair.target.use_cpu_kernels()
             log.info("CPU kernels (attention, SwiGLU): %s", reason or "on")
+            if hasattr(getattr(pair.drafter, "model", None), "use_cpu_kernels"):
+                pair.drafter.model.use_cpu_kernels()
         runner = ModelRunner(pair.target, pair.drafter, profile_phases=self.config.profile_phases,
                              lookup=self._lookup_drafter(sources),
                              packed_verify=self.config.packed_verify)  # fmt: skip

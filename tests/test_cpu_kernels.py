@@ -10,6 +10,7 @@ from engine import RaggedKVCache, cpu_kernels
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.loading import load_pair
+from engine.sampling import SamplingParams
 
 
 def test_fast_exp_has_float32_precision_and_underflows_to_zero():
@@ -88,9 +89,20 @@ def test_a_model_on_cpu_kernels_gives_the_stock_logits(target_dir, vocab_size):
         assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item()
 
 
-async def test_the_engine_runs_on_cpu_kernels_unless_turned_off(target_dir):
+async def test_the_engine_runs_on_cpu_kernels_unless_turned_off(qwen3_target_dir, drafter_dir):
+    """Its target and its DFlash drafter; greedy output is the same either way."""
+    outputs = {}
     for enabled in (True, False):
-        async with AsyncEngine(EngineConfig(target=str(target_dir), cpu_kernels=enabled)) as engine:
-            target = engine._runner.target
-            assert target.cpu_kernels is enabled
-            assert type(target.layers[0].mlp).__name__.startswith("Cpu") is enabled
+        config = EngineConfig(
+            target=str(qwen3_target_dir), drafter=str(drafter_dir), cpu_kernels=enabled
+        )
+        async with AsyncEngine(config) as engine:
+            runner = engine._runner
+            assert runner.target.cpu_kernels is enabled
+            assert type(runner.target.layers[0].mlp).__name__.startswith("Cpu") is enabled
+            assert runner.drafter.model.layers[0].self_attn.cpu_kernels is enabled
+            params = SamplingParams(temperature=0.0, max_tokens=24, num_speculative_tokens=3)
+            outputs[enabled] = tokens = []
+            async for delta in engine.generate([5, 6, 7, 8, 9], params):
+                tokens += delta.token_ids
+    assert outputs[True] == outputs[False] and len(outputs[True]) == 24

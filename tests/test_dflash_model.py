@@ -152,3 +152,21 @@ def test_a_steps_opens_and_closes_copy_the_cache_once_each(
     assert sorted(calls) == ["extend_many"] * layers + ["filter"] * layers
     assert drafter.cache[0].batch_size == 5
     assert [s.pending_rows for s in later] == [4, 4, 4]
+
+
+def test_cpu_kernels_give_the_same_block_outputs(drafter_dir):
+    """The drafter on `engine.cpu_kernels` (the engine's choice on the CPU backend) equals
+    MLX's attention and SwiGLU for ragged rows over two steps."""
+    mx.random.seed(2)
+    contexts = [
+        [mx.random.normal((7, 128)), mx.random.normal((2, 128))],
+        [mx.random.normal((3, 128)), mx.random.normal((5, 128))],
+    ]
+    blocks = [[mx.random.normal((8, 64)) for _ in range(2)] for _ in range(2)]
+    stock, _ = _run_steps(load_dflash_model(drafter_dir), contexts, blocks, True)
+    fast_model = load_dflash_model(drafter_dir)
+    fast_model.use_cpu_kernels()
+    fast, _ = _run_steps(fast_model, contexts, blocks, True)
+    for a, b in zip(stock, fast):
+        assert mx.allclose(a, b, atol=ATOL).item()
+    assert not load_dflash_model(drafter_dir).layers[0].self_attn.cpu_kernels

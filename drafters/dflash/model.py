@@ -17,10 +17,13 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from drafters.dflash.config import DFlashConfig
+from engine import cpu_kernels
 from engine.kv_cache import RaggedKVCache
 
 
 class DFlashAttention(nn.Module):
+    cpu_kernels = False  # inference on the CPU backend: `DFlashDraftModel.use_cpu_kernels`
+
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         self.n_heads = config.num_attention_heads
@@ -67,11 +70,16 @@ class DFlashAttention(nn.Module):
         v = self.split_heads(self.v_proj(x), self.n_kv_heads)
         keys = mx.concatenate([context_keys, k], axis=2)
         values = mx.concatenate([context_values, v], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        if self.cpu_kernels:
+            out = cpu_kernels.attention(q, keys, values, self.scale, mask)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class DFlashMLP(nn.Module):
+    cpu_kernels = False
+
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         d, inner = config.hidden_size, config.intermediate_size
@@ -80,6 +88,8 @@ class DFlashMLP(nn.Module):
         self.down_proj = nn.Linear(inner, d, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.cpu_kernels:
+            return self.down_proj(cpu_kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -114,6 +124,12 @@ class DFlashDraftModel(nn.Module):
 
     def make_cache(self, batch_size: int = 1) -> list[RaggedKVCache]:
         return [RaggedKVCache(batch_size) for _ in self.layers]
+
+    def use_cpu_kernels(self) -> None:
+        """Attention and SwiGLU on `engine.cpu_kernels` (inference on the CPU backend; training
+        keeps MLX's, which it differentiates)."""
+        for layer in self.layers:
+            layer.self_attn.cpu_kernels = layer.mlp.cpu_kernels = True
 
     def fuse_context_projections(self) -> None:
         """Stack every layer's k/v projection for inference. Call again after weights change."""

@@ -383,3 +383,45 @@ def test_with_nobody_waiting_every_row_drafting_is_still_worth_a_whole_step():
     policy.seed([(b, 1, cost(b, [0] * b)) for b in (1, 2, 4, 8)])
     adaptive, _ = run_wave(policy, rates, cost, 48, seed=2)
     assert adaptive < 0.6 * off, (adaptive, off)
+
+
+def test_the_plain_estimate_keeps_the_least_of_its_first_samples_and_rises_slowly():
+    """Step-time noise only adds time (a stall, a join's copies): a slow first plain step must
+    not stand for the plain cost (it made every draft look free at 32 clients)."""
+    from scheduler.adaptive import CostModel
+
+    cost = CostModel()
+    cost.observe(32, 32, 0, False, 0.22)  # the first step after a join
+    cost.observe(32, 32, 0, False, 0.105)
+    assert abs(cost.predict_plain(32) - 0.105) < 1e-9
+    for _ in range(3):
+        cost.observe(32, 32, 0, False, 0.105)
+    cost.observe(32, 32, 0, False, 0.5)  # one stall later moves it only a little
+    assert cost.predict_plain(32) < 0.2
+
+
+def test_an_extra_cost_curve_that_first_saw_free_extras_still_learns_a_costly_one():
+    from scheduler.adaptive import CostModel
+
+    cost = CostModel()
+    for _ in range(5):
+        cost.observe(32, 32, 0, False, 0.105)
+    for _ in range(4):  # 63 lookup positions measured as free (against a wrong plain)
+        cost.observe(32, 95, 0, False, 0.105)
+    for _ in range(4):  # then as they are: 170 ms more than a plain step
+        cost.observe(32, 95, 0, False, 0.275)
+    assert cost.predict_extra(32, 63, drafting=False) > 0.1
+
+
+def test_a_new_batch_size_is_first_measured_plain():
+    """Drafts are judged against the plain step of the batch's size: the controller takes
+    that step plain before it drafts, however good the drafts (else a guessed plain cost
+    stands for ever, as drafting steps never measure it)."""
+    sim = Simulator(lambda b, w: 0.030 + 0.001 * b * w, lambda _: [0.95] * 15)
+    policy = busy(AdaptiveDepthPolicy())
+    for size in (1, 4, 16):
+        requests = make_requests(size)
+        first = sim.step(policy, requests)
+        assert not any(first.values()), size
+        later = [sim.step(policy, requests) for _ in range(6)]
+        assert any(any(d.values()) for d in later), size

@@ -405,12 +405,13 @@ class ModelRunner:
     def advance(self) -> None:
         """Compute the launched lookahead step (if any). The engine queues this on the MLX
         thread right after `execute` returns, so the forward runs while the asyncio loop
-        handles the step's results (a plain `mx.async_eval` would not do: on the CPU backend
-        it waits for most of a large graph before returning)."""
+        handles the step's results. Calling `mx.async_eval` from `execute` itself would not
+        do: on the CPU backend it computes most of the graph before it returns. Here it
+        blocks the MLX thread for that part, off the loop, and returns before the graph's
+        end, which then overlaps the next `execute`'s building of its early lookahead."""
         lookahead = self._lookahead
         if lookahead is not None and not lookahead.eval_seconds:
             started = time.perf_counter()
-            # async: the graph's end computes on while the next step's graph is built
             mx.async_eval(lookahead.decode.arrays())
             lookahead.eval_seconds = time.perf_counter() - started
 

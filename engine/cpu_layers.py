@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine import cpu_kernels
+from engine.packed import ATTENTION_PARTS  # the structure the packed verify needs too
 
 _classes: dict[tuple[type, str], type] = {}
 
@@ -53,8 +54,7 @@ def unsupported_reason(layers: list[nn.Module]) -> str | None:
     """Why these decoder layers cannot take the CPU kernels (None when they can)."""
     for i, layer in enumerate(layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        parts = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
-        if attn is None or any(not hasattr(attn, p) for p in parts):
+        if attn is None or any(not hasattr(attn, p) for p in ATTENTION_PARTS):
             return f"layer {i}: attention lacks the llama/qwen structure"
         if mlp is None or any(not hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")):
             return f"layer {i}: the MLP is not a SwiGLU"
@@ -68,5 +68,5 @@ def install(layers: list[nn.Module]) -> None:
     for layer in layers:
         for name, kind in (("self_attn", "attention"), ("mlp", "mlp")):
             module = getattr(layer, name)
-            if type(module) not in {c for c in _classes.values()}:
+            if type(module) not in _classes.values():
                 module.__class__ = _subclass(type(module), kind)

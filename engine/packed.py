@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # mlx-lm model modules whose decoder layers have the structure `packed_forward` runs.
 SUPPORTED_MODULES = {"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"}
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
-_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
+ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def packed_unsupported_reason(model: nn.Module, inner: nn.Module) -> str | None:
         return "no model args or final norm"
     for i, layer in enumerate(inner.layers):
         missing = [p for p in _LAYER_PARTS if not hasattr(layer, p)]
-        missing += [p for p in _ATTN_PARTS if not hasattr(getattr(layer, "self_attn", None), p)]
+        missing += [p for p in ATTENTION_PARTS if not hasattr(getattr(layer, "self_attn", None), p)]
         if missing:
             return f"layer {i} lacks {missing}"
         if getattr(layer, "use_sliding", False):

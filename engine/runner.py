@@ -390,7 +390,8 @@ class ModelRunner:
         ):
             return None
         mx.async_eval(decode.arrays())
-        cache_before = [layer_cache.snapshot() for layer_cache in self.cache]
+        # Only a watched row's lookup match can call it off: snapshot only then.
+        cache_before = [c.snapshot() for c in self.cache] if plan.lookup_watch else None
         lookahead = self._launch_lookahead(anchors=decode.targets[:, :1])
         lookahead.cache_before = cache_before
         return lookahead

@@ -150,17 +150,13 @@ class CostCurve:
         if b not in self.mean:
             self.mean[b], self.deviation[b], self.count[b] = seconds, 0.1 * seconds, 1
             return
-        delta = seconds - self.mean[b]
+        delta, alpha = seconds - self.mean[b], self.alpha
         if self.one_sided and delta < 0:
             alpha = 1.0 if self.count[b] < 4 else min(1.0, 2.5 * self.alpha)
-            self.mean[b] += alpha * delta
-            self.deviation[b] += self.alpha * (abs(delta) - self.deviation[b])
-            self.count[b] += 1
-            return
-        if self.count[b] >= 4 and self.clamp != math.inf:  # (inf * 0 would be nan)
+        elif self.count[b] >= 4 and self.clamp != math.inf:  # (inf * 0 would be nan)
             bound = self.clamp * max(self.deviation[b], 0.02 * self.mean[b])
             delta = max(-bound, min(bound, delta))
-        self.mean[b] += self.alpha * delta
+        self.mean[b] += alpha * delta
         self.deviation[b] += self.alpha * (abs(delta) - self.deviation[b])
         self.count[b] += 1
 
@@ -327,19 +323,17 @@ class AdaptiveDepthPolicy:
         caps = {r.request_id: self._caps(r, options[r.request_id]) for r in requests}
         self._usable = {s for cap in caps.values() for s in cap}
         max_depth = max((c for cap in caps.values() for c in cap.values()), default=0)
-        if not requests or max_depth == 0:
-            self.last_sources = {}
-            self._count_idle({})
-            return {r.request_id: 0 for r in requests}, {}
         batch = len(requests)
-        if not self.cost.plain.measured(batch):
-            # Drafting is judged against the plain step of this batch size: measure that first
-            # (one plain step). Else, with drafts chosen from the first step at a new size,
-            # the plain cost is never seen, only guessed (at 32 clients, guessed 3x too high).
+        # Drafting is judged against the plain step of this batch size: measure that first
+        # (one plain step). Else, with drafts chosen from the first step at a new size, the
+        # plain cost is never seen, only guessed (at 32 clients, guessed 3x too high).
+        measuring = bool(requests) and max_depth > 0 and not self.cost.plain.measured(batch)
+        if not requests or max_depth == 0 or measuring:
             self.last_sources = {}
             self._count_idle({})
-            self.last_choice = {"width": 0, "positions": 0, "exploring": False,
-                                "reason": "measuring_plain"}  # fmt: skip
+            if measuring:
+                self.last_choice = {"width": 0, "positions": 0, "exploring": False,
+                                    "reason": "measuring_plain"}  # fmt: skip
             return {r.request_id: 0 for r in requests}, {}
         limit = self.cost.explore_limit(batch)
         if self.cost.samples < self.warmup_steps:

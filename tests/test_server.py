@@ -339,6 +339,64 @@ def test_openai_client_reads_logprobs_streamed_and_not(server, qwen3_target_dir)
     assert plain.choices[0].logprobs is None
 
 
+@pytest.mark.parametrize("depth", [0, 3])
+def test_logprobs_over_http_at_fixed_depth_and_drafting_off_at_the_range_ends(
+    server, qwen3_target_dir, depth
+):
+    """The per-request depth (0: drafting off; 3: fixed) leaves HTTP logprobs equal to the
+    target's forward, streamed and not, at the ends of the ranges (completions 0 and 5, chat
+    `top_logprobs` 0 and 20)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model, tokenizer = load_target_model(qwen3_target_dir)
+    extra = {"extra_body": {"ignore_eos": True, "num_speculative_tokens": depth}}
+    prompt = "class Stack:\n    def push(self, item):"
+    ids = list(tokenizer.encode(prompt))
+    steps = generate_step(mx.array(ids), model, max_tokens=8, sampler=lambda x: mx.argmax(x, -1))
+    tokens = [int(t) for t, _ in steps]
+    reference = _reference_logprobs(model, ids, tokens)
+    for n in (0, 5):
+        done = client.completions.create(model="qwen3", prompt=prompt, max_tokens=8,
+                                         temperature=0, logprobs=n, **extra)  # fmt: skip
+        stream = client.completions.create(model="qwen3", prompt=prompt, max_tokens=8,
+                                           temperature=0, logprobs=n, stream=True,
+                                           **extra)  # fmt: skip
+        streamed = [v for c in stream if c.choices and c.choices[0].logprobs
+                    for v in c.choices[0].logprobs.token_logprobs]  # fmt: skip
+        for values in (done.choices[0].logprobs.token_logprobs, streamed):
+            assert values == pytest.approx([reference[j][t] for j, t in enumerate(tokens)],
+                                           abs=1e-4)  # fmt: skip
+        # n alternatives plus the sampled token where it is not among them (fewer where two
+        # tokens decode to the same text: OpenAI's shape keys them by text)
+        tops = done.choices[0].logprobs.top_logprobs
+        assert all(1 <= len(top) <= n + 1 for top in tops)
+        assert max(map(len, tops)) >= max(n, 1)
+
+    messages = [{"role": "user", "content": "name a fruit"}]
+    chat_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    steps = generate_step(mx.array(chat_ids), model, max_tokens=6,
+                          sampler=lambda x: mx.argmax(x, -1))  # fmt: skip
+    chat_tokens = [int(t) for t, _ in steps]
+    chat_reference = _reference_logprobs(model, chat_ids, chat_tokens)
+    for top in (0, 20):
+        chat = client.chat.completions.create(model="qwen3", messages=messages, max_tokens=6,
+                                              temperature=0, logprobs=True, top_logprobs=top,
+                                              **extra)  # fmt: skip
+        stream = client.chat.completions.create(model="qwen3", messages=messages, max_tokens=6,
+                                                temperature=0, logprobs=True,
+                                                top_logprobs=top, stream=True,
+                                                **extra)  # fmt: skip
+        streamed = [i for c in stream if c.choices and c.choices[0].logprobs
+                    for i in c.choices[0].logprobs.content]  # fmt: skip
+        for content in (chat.choices[0].logprobs.content, streamed):
+            assert [i.logprob for i in content] == pytest.approx(
+                [chat_reference[j][t] for j, t in enumerate(chat_tokens)], abs=1e-4
+            )
+            assert all(len(i.top_logprobs) == top for i in content)
+            if top:
+                best = sorted(chat_reference[0], reverse=True)[:top]
+                assert [t.logprob for t in content[0].top_logprobs] == pytest.approx(best, abs=1e-4)
+
+
 def test_echo_with_logprobs_scores_the_prompt(server, qwen3_target_dir):
     """The evaluation harnesses' call: echo, logprobs and max_tokens 0 give the prompt's own
     logprobs (the first token has none) and nothing generated; with max_tokens 3 the

@@ -4,7 +4,10 @@
 
 Stages (each resumes from what `--work-dir` holds, so the hours it takes can span sittings):
   data    the target's own continuations of the train split of the prompt mix
-          (`drafters.dflash.prompt_mix`), batched through the engine (`datagen`)
+          (`drafters.dflash.prompt_mix`), batched through the engine (`datagen`); it first
+          takes in the records the repository keeps (`drafters.dflash.corpus`)
+  keep    writes the records no repository part holds yet into a new part, and the sittings
+          log beside them, so a fresh machine resumes where this one stopped (commit them)
   fit     DFlash training on them (`drafters.dflash.train`), checkpointed, resumable
   eval    tau per kind on held-out prompts, greedy and T=1, and tokens/s against mlx-lm's
           plain `stream_generate` on the same target, one request at a time
@@ -31,6 +34,14 @@ from typing import Any
 
 import numpy as np
 
+from drafters.dflash.corpus import (
+    corpus_dir,
+    export_new_part,
+    import_parts,
+    merge_sittings,
+    read_parts,
+)
+
 DEFAULT_WORK_ROOT = Path.home() / ".cache" / "flashbatch" / "drafter-build"  # / <target name>
 EVAL_KINDS = ("completion", "editing", "chat", "prose")
 
@@ -43,11 +54,21 @@ def _record_sitting(work: Path, argv: list[str], stats: dict[str, Any]) -> None:
     path.write_text(json.dumps(sittings, indent=1))
 
 
+def take_in_corpus(work: Path, target: str) -> int:
+    """Seed the work directory with the records and sittings the repository keeps."""
+    imported = import_parts(corpus_dir(target), work / "data.jsonl")
+    merge_sittings(corpus_dir(target) / "sittings.json", work / "sittings.json")
+    if imported:
+        print(f"took {imported} records from {corpus_dir(target)}")
+    return imported
+
+
 def stage_data(work: Path, target: str, per_kind: int, concurrency: int) -> dict[str, Any]:
     from drafters.dflash.datagen import DEFAULT_MAX_TOKENS, generate_mix
     from drafters.dflash.prompt_mix import build_prompts
 
     started = time.perf_counter()
+    imported = take_in_corpus(work, target)
     prompts = build_prompts("train", per_kind)
     written = asyncio.run(
         generate_mix(
@@ -58,8 +79,16 @@ def stage_data(work: Path, target: str, per_kind: int, concurrency: int) -> dict
             concurrency=concurrency,
         )  # fmt: skip
     )
-    return {"stage": "data", "records_written": written,
+    return {"stage": "data", "records_written": written, "records_imported": imported,
             "seconds": round(time.perf_counter() - started)}  # fmt: skip
+
+
+def stage_keep(work: Path, target: str) -> dict[str, Any]:
+    """The new records as a repository part, and the sittings log beside the parts."""
+    directory = corpus_dir(target)
+    part = export_new_part(work / "data.jsonl", directory)
+    return {"stage": "keep", "part": None if part is None else str(part),
+            "records_kept": len(read_parts(directory))}  # fmt: skip
 
 
 def data_facts(work: Path) -> dict[str, Any]:
@@ -86,6 +115,7 @@ def stage_fit(work: Path, target: str, args: argparse.Namespace) -> dict[str, An
     from engine.models.resolve import resolve_target
     from engine.target import TargetAdapter
 
+    take_in_corpus(work, target)  # a fresh machine fits on what earlier machines generated
     out = work / "drafter"
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, num_anchors=args.num_anchors,
@@ -289,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     for stage in stages:
         if stage == "data":
             stats = stage_data(work, args.target, args.per_kind, args.concurrency)
+        elif stage == "keep":
+            stats = stage_keep(work, args.target)
         elif stage == "fit":
             stats = stage_fit(work, args.target, args)
         elif stage == "eval":
@@ -307,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown stage {stage!r}")
         print(stats)
         _record_sitting(work, argv, stats)
+        if stage == "keep":  # after recording, so the log kept includes this sitting
+            merge_sittings(work / "sittings.json", corpus_dir(args.target) / "sittings.json")
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Everything MLX lives here and is touched only from the engine's single MLX thread. One step:
 
-1. rows of finished/aborted requests leave the batch (`filter`: the only copies, with joins);
+1. rows of finished/aborted requests leave the batch (`remove_rows`: the last rows move into
+   their places, one row copied per hole);
 2. prefill chunks of new requests run, each request in its own small cache;
 3. decode: one batched drafter forward for the rows with depth > 0, one batched target forward
    over ``[anchor, drafts...]`` of every row (packed: each row only its own ``1 + depth``
@@ -197,6 +198,11 @@ class ModelRunner:
         lookahead, self._lookahead = self._lookahead, None
         for save in plan.prefix_saves:  # before the rows leave
             self._save_prefix(save, ahead=lookahead is not None)
+        if plan.prefix_saves and plan.removals:
+            # Computed now: a pending copy out of the cache would keep its buffers shared, and
+            # the removal's in-place moves would then copy all of them.
+            mx.eval(self._to_eval)
+            self._to_eval = []
         self._remove(plan.removals)
         if lookahead is not None:
             lookahead.select(self.rows)
@@ -688,7 +694,7 @@ class ModelRunner:
         state.lookup_match = self.lookup.match_length(state.lookup, state.anchor)
 
     def _remove(self, request_ids: list[str]) -> None:
-        """Finished or aborted requests leave: one filter (copy) per layer for all of them."""
+        """Finished or aborted requests leave: per layer, one row copied into each hole."""
         leaving = set()
         for request_id in request_ids:
             state = self.states.pop(request_id, None)
@@ -699,11 +705,13 @@ class ModelRunner:
                 self.drafter.close(state.session)
             if state.lookup is not None:
                 self.lookup.close(state.lookup)
-        keep = [i for i, r in enumerate(self.rows) if r not in leaving]
-        if len(keep) < len(self.rows):
-            for layer_cache in self.cache:
-                layer_cache.filter(keep)
-            self.rows = [self.rows[i] for i in keep]
+        gone = [i for i, r in enumerate(self.rows) if r in leaving]
+        if gone:
+            # The last rows move into the leavers' places (one row copied per hole), so the
+            # batch order changes; every layer moves the same rows.
+            orders = {tuple(layer_cache.remove_rows(gone)) for layer_cache in self.cache}
+            (order,) = orders
+            self.rows = [self.rows[i] for i in order]
 
     def profile(self, widths: tuple[int, ...] = (1, 2, 4, 8, 16), context: int = 64,
                 repeats: int = 2) -> list[tuple[int, int, float]]:  # fmt: skip

@@ -101,8 +101,8 @@ def test_extend_many_joins_several_rows_in_one_copy(qwen3_target_dir):
     assert at_once[0].lengths == [300, 2, 3, 0]
     for a, b in zip(one_by_one, at_once):
         assert a.lengths == b.lengths[:3]
-        for x, y in zip(a.state, b.state):
-            assert mx.array_equal(x, y[:3, :, : x.shape[2]])
+        for x, y in zip(a.state, b.state):  # the active rows (buffers may have free slots)
+            assert mx.array_equal(x[:3], y[:3, :, : x.shape[2]])
     logits = model(mx.array([[21], [22], [23], [24]]), cache=at_once)
     for row, seq in enumerate(sequences):
         reference = _per_sequence_logits(model, seq + [21 + row])[-1]
@@ -208,3 +208,67 @@ def test_restore_drops_writes_built_since_the_snapshot_unrun():
     fetched, _ = cache.fetch()
     assert cache.lengths == [4, 3]
     assert fetched[0, 0, 3].tolist() == [5.0] * 4 and fetched[1, 0, 2].tolist() == [5.0] * 4
+
+
+def _row_cache(values: list[int]) -> RaggedKVCache:
+    """A one-row cache whose positions hold `values` (keys) and their negatives (values)."""
+    cache = RaggedKVCache(1)
+    k = mx.array(values, dtype=mx.float32).reshape(1, 1, len(values), 1)
+    cache.write(k, -k)
+    return cache
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["join", "leave", "write"]), st.integers(0, 1 << 30)),
+                min_size=1, max_size=25))  # fmt: skip
+def test_membership_changes_keep_every_row_and_move_only_the_last_rows(ops):
+    """Joins into free slots, removals that move the last rows into the holes, and ragged
+    writes between them: every row keeps exactly its own positions, whatever the order of
+    operations; `remove_rows` says where each row went, and rows below the holes stay put."""
+    cache, rows, next_value = RaggedKVCache(0), [], 1  # rows: each row's values, batch order
+    for op, seed in ops:
+        if op == "join":
+            joining = [[next_value + 1000 * i + j for j in range(1 + (seed >> i) % 300)]
+                       for i in range(1 + seed % 3)]  # fmt: skip
+            next_value += 1000 * len(joining)
+            cache.extend_many([_row_cache(r) for r in joining])
+            rows += joining
+        elif op == "leave" and rows:
+            gone = sorted({(seed >> (4 * i)) % len(rows) for i in range(1 + seed % 3)})
+            order = cache.remove_rows(gone)
+            assert sorted(order) == [i for i in range(len(rows)) if i not in gone]
+            kept = len(rows) - len(gone)
+            assert all(order[i] == i for i in range(kept) if i not in gone)  # not moved
+            assert all(i >= kept for i in order if i not in range(kept))  # movers came from the end
+            rows = [rows[i] for i in order]
+        elif op == "write" and rows:
+            counts = [(seed >> i) % 3 for i in range(len(rows))]
+            new = [[next_value + 1000 * b + j for j in range(3)] for b in range(len(rows))]
+            next_value += 1000 * len(rows)
+            k = mx.array(new, dtype=mx.float32).reshape(len(rows), 1, 3, 1)
+            cache.write(k, -k, counts)
+            rows = [r + n[:c] for r, n, c in zip(rows, new, counts)]
+        assert cache.lengths == [len(r) for r in rows]
+        if rows and cache.keys is not None:
+            keys, values = cache.fetch()
+            assert keys.shape[0] == len(rows)
+            for b, r in enumerate(rows):
+                assert keys[b, 0, : len(r), 0].tolist() == r
+                assert values[b, 0, : len(r), 0].tolist() == [-x for x in r]
+
+
+def test_a_removal_copies_the_moved_rows_not_the_batch():
+    """Removing one row of a 16-row cache moves the last row into its place: the buffers keep
+    their slots (no rebuilt batch), and the rows below the hole are the very same data."""
+    cache = RaggedKVCache(0)
+    cache.extend_many([_row_cache([100 * b + j for j in range(40)]) for b in range(16)])
+    mx.eval(cache.keys)
+    slots = cache.keys.shape[0]
+    assert cache.remove_rows([3]) == [0, 1, 2, 15, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    assert cache.keys.shape[0] == slots  # the freed slot stays for the next join
+    keys, _ = cache.fetch()
+    assert keys[3, 0, :3, 0].tolist() == [1500, 1501, 1502]
+    # A join fills the free slot in place; the batch does not grow.
+    cache.extend_many([_row_cache([7, 8])])
+    assert cache.keys.shape[0] == slots and cache.lengths[-1] == 2
+    assert cache.fetch()[0][15, 0, :2, 0].tolist() == [7, 8]

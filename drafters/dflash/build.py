@@ -294,7 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--mask-token-id", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--num-anchors", type=int, default=16)
+    # Blocks per sequence. 64 (the reference's small recipe: 32-128) against 16: 0.50 s
+    # against 0.22 s per SmolLM2 sequence with its features cached, for 385 labels against
+    # 112 (most generated positions of a record), so 1.7x the labels per second of training.
+    parser.add_argument("--num-anchors", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--max-len", type=int, default=768)
     parser.add_argument(

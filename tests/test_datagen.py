@@ -144,3 +144,33 @@ def test_a_fit_stopped_by_hand_is_recorded_as_a_sitting(tmp_path, monkeypatch):
                 "--max-len", "64"])  # fmt: skip
     (sitting,) = json.loads((work / "sittings.json").read_text())
     assert sitting["stage"] == "fit" and sitting["steps"] == 5 and "interrupted" in sitting["note"]
+
+
+def test_a_data_run_stopped_by_sigterm_is_recorded_as_a_sitting(tmp_path, monkeypatch):
+    """SIGTERM (how a background job is stopped) ends the data stage as Ctrl-C does: what was
+    written stays, and the sitting is recorded with the records it wrote."""
+    import os
+    import signal
+
+    from drafters.dflash import build, datagen
+
+    work = tmp_path / "work"
+
+    async def write_one_then_get_stopped(target, prompts, out_path, **kwargs):
+        record = {"key": prompts[0].key, "kind": prompts[0].kind, "prompt": prompts[0].text,
+                  "chat": prompts[0].chat, "prompt_tokens": 2, "tokens": [5, 6, 7]}  # fmt: skip
+        with open(out_path, "a") as out:
+            out.write(json.dumps(record) + "\n")
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(5)  # interrupted before this ends
+        raise AssertionError("SIGTERM did not stop the stage")
+
+    monkeypatch.setattr(datagen, "generate_mix", write_one_then_get_stopped)
+    handler = signal.getsignal(signal.SIGTERM)
+    build.main(["--target", "bundled", "--work-dir", str(work), "--stages", "data",
+                "--per-kind", "1"])  # fmt: skip
+    assert signal.getsignal(signal.SIGTERM) == handler  # the caller's handler is back
+    (sitting,) = json.loads((work / "sittings.json").read_text())
+    assert sitting["stage"] == "data" and sitting["records_written"] == 1
+    assert "stopped by hand" in sitting["note"]
+    assert len((work / "data.jsonl").read_text().splitlines()) == 1

@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,10 @@ from drafters.dflash.corpus import (
 
 DEFAULT_WORK_ROOT = Path.home() / ".cache" / "flashbatch" / "drafter-build"  # / <target name>
 EVAL_KINDS = ("completion", "editing", "chat", "prose")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _record_sitting(work: Path, argv: list[str], stats: dict[str, Any]) -> None:
@@ -66,19 +71,27 @@ def take_in_corpus(work: Path, target: str) -> int:
 def stage_data(work: Path, target: str, per_kind: int, concurrency: int) -> dict[str, Any]:
     from drafters.dflash.datagen import DEFAULT_MAX_TOKENS, generate_mix
     from drafters.dflash.prompt_mix import build_prompts
+    from drafters.dflash.train import read_jsonl_records
 
     started = time.perf_counter()
     imported = take_in_corpus(work, target)
+    before = len(read_jsonl_records(work / "data.jsonl"))
     prompts = build_prompts("train", per_kind)
-    written = asyncio.run(
-        generate_mix(
-            target,
-            prompts,
-            work / "data.jsonl",
-            max_tokens=DEFAULT_MAX_TOKENS,
-            concurrency=concurrency,
-        )  # fmt: skip
-    )
+    try:
+        written = asyncio.run(
+            generate_mix(
+                target,
+                prompts,
+                work / "data.jsonl",
+                max_tokens=DEFAULT_MAX_TOKENS,
+                concurrency=concurrency,
+            )  # fmt: skip
+        )
+    except KeyboardInterrupt:  # stopped by hand: every finished request is on file
+        written = len(read_jsonl_records(work / "data.jsonl")) - before
+        return {"stage": "data", "records_written": written, "records_imported": imported,
+                "seconds": round(time.perf_counter() - started),
+                "note": "stopped by hand; --stages data resumes it"}  # fmt: skip
     return {"stage": "data", "records_written": written, "records_imported": imported,
             "seconds": round(time.perf_counter() - started)}  # fmt: skip
 
@@ -87,7 +100,7 @@ def stage_keep(work: Path, target: str) -> dict[str, Any]:
     """The new records as a repository part, and the sittings log beside the parts."""
     directory = corpus_dir(target)
     part = export_new_part(work / "data.jsonl", directory)
-    return {"stage": "keep", "part": None if part is None else str(part),
+    return {"stage": "keep", "part": None if part is None else part.name,
             "records_kept": len(read_parts(directory))}  # fmt: skip
 
 
@@ -312,6 +325,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-depth", type=int, default=7)
     parser.add_argument("--export-dir", type=Path, help="where `export` writes the drafter")
     args = parser.parse_args(argv)
+    # A stage stopped by SIGTERM (how a background job is stopped: it ignores SIGINT) ends as
+    # Ctrl-C does, so the sitting that ran so far is still recorded.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run_stages(args, argv, parser)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_stages(args: argparse.Namespace, argv: list[str], parser: argparse.ArgumentParser) -> int:
     # Progress lines (datagen's "N/M written, tok/s", training's losses) go to stderr.
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

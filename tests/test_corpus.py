@@ -92,3 +92,20 @@ def test_the_keep_stage_writes_a_part_and_the_sittings_log(tmp_path, monkeypatch
     kept = tmp_path / "corpus" / "tiny"
     assert [r["key"] for r in corpus.read_parts(kept)] == ["a", "b"]
     assert json.loads((kept / "sittings.json").read_text())[0]["stage"] == "keep"
+
+
+def test_a_fresh_machine_fits_on_the_kept_records(tmp_path, monkeypatch):
+    """`fit` on an empty work directory takes the repository's parts in first: the records a
+    machine that is gone generated are what the drafter trains on."""
+    monkeypatch.setattr(build, "corpus_dir", lambda target: tmp_path / "corpus")
+    old = tmp_path / "gone" / "data.jsonl"
+    _write(old, [{**_record("k"), "kind": "prose", "prompt_tokens": 4,
+                  "tokens": list(range(10, 60))}])  # fmt: skip
+    corpus.export_new_part(old, tmp_path / "corpus", stamp="1")
+    work = tmp_path / "fresh"
+    build.main(["--target", "bundled", "--work-dir", str(work), "--stages", "fit", "--steps", "2",
+                "--layers", "1", "--block-size", "4", "--batch-size", "1", "--num-anchors", "4",
+                "--max-len", "64"])  # fmt: skip
+    (fit,) = [s for s in json.loads((work / "sittings.json").read_text()) if s["stage"] == "fit"]
+    assert fit["sequences"] == 1 and fit["steps"] == 2
+    assert [r["key"] for r in _lines(work / "data.jsonl")] == ["k"]

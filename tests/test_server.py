@@ -273,6 +273,13 @@ async def test_two_hundred_concurrent_streams_complete(server):
     assert all(r >= 1 for r in results)
 
 
+def _greedy_with_logprobs(model, prompt: list[int], n: int) -> tuple[list[int], list[list[float]]]:
+    """mlx-lm's own greedy tokens for `prompt` and the log-softmax at each of them."""
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, -1))
+    tokens = [int(t) for t, _ in steps]
+    return tokens, _reference_logprobs(model, prompt, tokens)
+
+
 def _reference_logprobs(model, prompt: list[int], output: list[int]) -> list[list[float]]:
     logits = model(mx.array([prompt + output]))[0].astype(mx.float32)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -287,9 +294,7 @@ def test_openai_client_reads_logprobs_streamed_and_not(server, qwen3_target_dir)
     extra = {"extra_body": {"ignore_eos": True}}
     prompt = "def add(a, b):"
     ids = list(tokenizer.encode(prompt))
-    steps = generate_step(mx.array(ids), model, max_tokens=10, sampler=lambda x: mx.argmax(x, -1))
-    tokens = [int(t) for t, _ in steps]
-    reference = _reference_logprobs(model, ids, tokens)
+    tokens, reference = _greedy_with_logprobs(model, ids, 10)
     names = [tokenizer.decode([t]) for t in tokens]
 
     done = client.completions.create(model="qwen3", prompt=prompt, max_tokens=10, temperature=0,
@@ -315,10 +320,7 @@ def test_openai_client_reads_logprobs_streamed_and_not(server, qwen3_target_dir)
 
     messages = [{"role": "user", "content": "write a loop"}]
     chat_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    steps = generate_step(mx.array(chat_ids), model, max_tokens=8,
-                          sampler=lambda x: mx.argmax(x, -1))  # fmt: skip
-    chat_tokens = [int(t) for t, _ in steps]
-    chat_reference = _reference_logprobs(model, chat_ids, chat_tokens)
+    chat_tokens, chat_reference = _greedy_with_logprobs(model, chat_ids, 8)
     chat = client.chat.completions.create(model="qwen3", messages=messages, max_tokens=8,
                                           temperature=0, logprobs=True, top_logprobs=4,
                                           **extra)  # fmt: skip
@@ -351,9 +353,7 @@ def test_logprobs_over_http_at_fixed_depth_and_drafting_off_at_the_range_ends(
     extra = {"extra_body": {"ignore_eos": True, "num_speculative_tokens": depth}}
     prompt = "class Stack:\n    def push(self, item):"
     ids = list(tokenizer.encode(prompt))
-    steps = generate_step(mx.array(ids), model, max_tokens=8, sampler=lambda x: mx.argmax(x, -1))
-    tokens = [int(t) for t, _ in steps]
-    reference = _reference_logprobs(model, ids, tokens)
+    tokens, reference = _greedy_with_logprobs(model, ids, 8)
     for n in (0, 5):
         done = client.completions.create(model="qwen3", prompt=prompt, max_tokens=8,
                                          temperature=0, logprobs=n, **extra)  # fmt: skip
@@ -373,10 +373,7 @@ def test_logprobs_over_http_at_fixed_depth_and_drafting_off_at_the_range_ends(
 
     messages = [{"role": "user", "content": "name a fruit"}]
     chat_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    steps = generate_step(mx.array(chat_ids), model, max_tokens=6,
-                          sampler=lambda x: mx.argmax(x, -1))  # fmt: skip
-    chat_tokens = [int(t) for t, _ in steps]
-    chat_reference = _reference_logprobs(model, chat_ids, chat_tokens)
+    chat_tokens, chat_reference = _greedy_with_logprobs(model, chat_ids, 6)
     for top in (0, 20):
         chat = client.chat.completions.create(model="qwen3", messages=messages, max_tokens=6,
                                               temperature=0, logprobs=True, top_logprobs=top,

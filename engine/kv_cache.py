@@ -115,11 +115,8 @@ class RaggedKVCache:
 
     def fetch(self) -> tuple[mx.array, mx.array]:
         """Keys and values up to the longest row (shorter rows are masked by the caller)."""
-        end = max(self.lengths) if self.lengths else 0
-        if self.keys.shape[0] == self.batch_size:
-            return self.keys[..., :end, :], self.values[..., :end, :]
-        B = self.batch_size
-        return self.keys[:B, :, :end, :], self.values[:B, :, :end, :]
+        end, B = (max(self.lengths) if self.lengths else 0), self.batch_size
+        return self.keys[:B, :, :end, :], self.values[:B, :, :end, :]  # free slots left out
 
     def snapshot(self) -> tuple[mx.array | None, mx.array | None, list[int]]:
         """The cache as it is now, to `restore` if lazily built writes are dropped unrun.

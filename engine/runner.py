@@ -211,7 +211,7 @@ class ModelRunner:
         for entry_id in plan.prefix_drops:  # after the admissions copied from them
             del self.prefix_entries[entry_id]
         if plan.removals:
-            self._settle_cache()  # the rows' filter copies, apart from the forward's time
+            self._settle_cache()  # the rows' moves, apart from the forward's time
         forward_started = time.perf_counter()
 
         first_tokens: dict[str, mx.array] = {}

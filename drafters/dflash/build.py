@@ -77,8 +77,9 @@ def stage_data(work: Path, target: str, per_kind: int, concurrency: int) -> dict
     imported = take_in_corpus(work, target)
     before = len(read_jsonl_records(work / "data.jsonl"))
     prompts = build_prompts("train", per_kind)
+    note = {}
     try:
-        written = asyncio.run(
+        asyncio.run(
             generate_mix(
                 target,
                 prompts,
@@ -88,16 +89,15 @@ def stage_data(work: Path, target: str, per_kind: int, concurrency: int) -> dict
             )  # fmt: skip
         )
     except KeyboardInterrupt:  # stopped by hand: every finished request is on file
-        written = len(read_jsonl_records(work / "data.jsonl")) - before
-        return {"stage": "data", "records_written": written, "records_imported": imported,
-                "seconds": round(time.perf_counter() - started),
-                "note": "stopped by hand; --stages data resumes it"}  # fmt: skip
+        note = {"note": "stopped by hand; --stages data resumes it"}
+    written = len(read_jsonl_records(work / "data.jsonl")) - before
     return {"stage": "data", "records_written": written, "records_imported": imported,
-            "seconds": round(time.perf_counter() - started)}  # fmt: skip
+            "seconds": round(time.perf_counter() - started), **note}  # fmt: skip
 
 
 def stage_keep(work: Path, target: str) -> dict[str, Any]:
-    """The new records as a repository part, and the sittings log beside the parts."""
+    """The new records as a repository part (`main` then merges the sittings log beside
+    the parts, once this sitting is recorded)."""
     directory = corpus_dir(target)
     part = export_new_part(work / "data.jsonl", directory)
     return {"stage": "keep", "part": None if part is None else part.name,

@@ -134,8 +134,9 @@ class AsyncEngine:
             per_token = self._runner.prefix_bytes_per_token()
             prefix = PrefixIndex(self.config.prefix_cache_bytes, per_token)
         self.scheduler = Scheduler(
-            limits, self._policy, self._runner.max_depth, self._runner.source_depths, prefix
-        )
+            limits, self._policy, self._runner.max_depth, self._runner.source_depths, prefix,
+            prefill_rides=self._runner.packed is not None,
+        )  # fmt: skip
         self._accepting = True
         self._loop_task = asyncio.create_task(self._run(), name="flashbatch-scheduler")
 

@@ -15,6 +15,12 @@ one position per token (`mx.fast.rope` takes a per-batch offset vector).
 
 `PackedLayout` is the one mapping between (row, verify position) and packed index; logits,
 features and samples come back packed ``[N, ...]`` and are read through it.
+
+Prefill chunks of requests that have not joined the batch yet may ride in the same forward
+(`PrefillSegment`): their tokens follow the rows' positions in the packed sequence, so they
+share every per-token matmul, and each attends causally over its request's own one-row cache.
+A join then costs its tokens' compute, not a forward of its own (on the CPU a forward has a
+large fixed cost: a 20-token prompt alone cost the bundled target more than 7 decoding rows).
 """
 
 from __future__ import annotations
@@ -94,6 +100,19 @@ class PackedLayout:
         return [n + i for n, w in zip(self.lengths, self.widths) for i in range(w)]
 
 
+@dataclass(frozen=True)
+class PrefillSegment:
+    """A prompt chunk inside the packed forward: `tokens` continue the request's own cache
+    (one `RaggedKVCache` row per layer, `cache[0].lengths[0]` positions so far)."""
+
+    tokens: list[int]
+    cache: list[RaggedKVCache]
+
+    @property
+    def offset(self) -> int:
+        return self.cache[0].lengths[0]
+
+
 def packed_unsupported_reason(model: nn.Module, inner: nn.Module) -> str | None:
     """Why `packed_forward` cannot run this model (None when it can)."""
     module = type(model).__module__
@@ -122,11 +141,11 @@ def verify_mask(lengths: list[int], first: int, width: int, key_length: int) -> 
 
 
 def row_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float,
+    queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str, scale: float,
     cpu: bool = False,
 ) -> mx.array:  # fmt: skip
     """Attention of each row's queries [R, h, W, D] over its own cache rows [R, kv, T, D]
-    (`cpu`: on `engine.cpu_kernels`)."""
+    (`cpu`: on `engine.cpu_kernels`); `mask` is a bool array or "causal"."""
     if cpu:
         return cpu_kernels.attention(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
@@ -140,10 +159,17 @@ class _Indices:
     attention), and the drafted positions of the drafting rows in one [S, h, widest - 1, T]
     SDPA over just those rows' cache (a slice or a small gather)."""
 
-    def __init__(self, layout: PackedLayout) -> None:
+    def __init__(self, layout: PackedLayout, segments: tuple[PrefillSegment, ...] = ()) -> None:
         self.layout = layout
         B = layout.rows
-        self.positions = mx.array(layout.positions(), dtype=mx.int32)
+        positions = layout.positions()
+        # Prefill segments follow the rows' positions: [start, end) in the packed sequence.
+        self.segments: list[tuple[int, int]] = []
+        for segment in segments:
+            start = len(positions)
+            positions += range(segment.offset, segment.offset + len(segment.tokens))
+            self.segments.append((start, len(positions)))
+        self.positions = mx.array(positions, dtype=mx.int32)
         self.key_length = max(n + w for n, w in zip(layout.lengths, layout.widths))
         all_rows = list(range(B))
         self.write = mx.array(layout.padded_index(all_rows, 0, layout.max_width), dtype=mx.int32)
@@ -178,9 +204,11 @@ def _heads(x: mx.array, index: mx.array, rows: int) -> mx.array:
 
 
 def _attention(
-    attn: nn.Module, x: mx.array, cache: RaggedKVCache, idx: _Indices, cpu: bool
-) -> mx.array:
-    """The layer's attention on packed x [1, N, H], reading and writing the ragged cache."""
+    attn: nn.Module, x: mx.array, cache: RaggedKVCache, idx: _Indices, cpu: bool,
+    segment_caches: list[RaggedKVCache] = (),
+) -> mx.array:  # fmt: skip
+    """The layer's attention on packed x [1, N, H], reading and writing the ragged cache (and
+    each prefill segment's own cache)."""
     N = x.shape[1]
     layout = idx.layout
     queries = attn.q_proj(x).reshape(N, 1, attn.n_heads, -1)
@@ -211,7 +239,29 @@ def _attention(
         )  # fmt: skip
         outputs.append(drafted.transpose(0, 2, 1, 3).reshape(rows * idx.draft_width, -1))
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
-    return attn.o_proj(out[idx.pack][None])
+    out = out[idx.pack]
+    if idx.segments:
+        out = mx.concatenate([out] + [
+            _segment_attention(attn, queries, keys, values, span, segment_cache, cpu)
+            for span, segment_cache in zip(idx.segments, segment_caches)
+        ])  # fmt: skip
+    return attn.o_proj(out[None])
+
+
+def _segment_attention(
+    attn: nn.Module, queries: mx.array, keys: mx.array, values: mx.array,
+    span: tuple[int, int], cache: RaggedKVCache, cpu: bool,
+) -> mx.array:  # fmt: skip
+    """A prefill segment's attention: its packed positions [start, end) of the roped heads
+    [N, h, 1, D] appended to its own one-row cache, causal over it. Returns [L, h * D]."""
+    start, end = span
+
+    def one_row(x: mx.array) -> mx.array:  # [L, h, 1, D] -> [1, h, L, D]
+        return x[start:end].transpose(2, 1, 0, 3)
+
+    cached_keys, cached_values = cache.update_and_fetch(one_row(keys), one_row(values))
+    out = row_attention(one_row(queries), cached_keys, cached_values, "causal", attn.scale, cpu)
+    return out.transpose(0, 2, 1, 3).reshape(end - start, -1)
 
 
 class PackedVerifier:
@@ -225,22 +275,38 @@ class PackedVerifier:
         self._inner = target._inner
 
     def __call__(
-        self, tokens: mx.array, layout: PackedLayout, cache: list[RaggedKVCache]
-    ) -> tuple[mx.array, mx.array | None]:
+        self, tokens: mx.array, layout: PackedLayout, cache: list[RaggedKVCache],
+        segments: tuple[PrefillSegment, ...] = (),
+    ) -> tuple[mx.array, mx.array | None]:  # fmt: skip
         """Forward packed `tokens` [N] laid out by `layout`; every row's K/V are appended to
-        its cache row. Returns logits [N, V] and tapped features [N, K*d] (or None)."""
+        its cache row. Returns logits [N, V] and tapped features [N, K*d] (or None).
+
+        With prefill `segments`, `tokens` is the rows' N positions followed by every
+        segment's tokens (M in all); each segment's K/V go to its own cache. Logits are then
+        [N + S, V]: the rows' positions, then each segment's last position only (what samples
+        a first token); features cover all N + M positions, segments after the rows."""
         if list(cache[0].lengths) != list(layout.lengths):
             raise ValueError("layout lengths do not match the cache")
-        idx = _Indices(layout)
+        if any(len(s.cache) != len(cache) or s.cache[0].batch_size != 1 for s in segments):
+            raise ValueError("a prefill segment needs one one-row cache per layer")
+        if tokens.shape[0] != layout.total + sum(len(s.tokens) for s in segments):
+            raise ValueError("tokens must be the layout's positions, then the segments' tokens")
+        idx = _Indices(layout, tuple(segments))
         cpu = self.target.cpu_kernels  # its MLPs already run on them
         taps = set(self.target.layer_ids)
         tapped: list[mx.array] = []
         h = self._inner.embed_tokens(tokens[None])  # [1, N, H]
         for i, (layer, layer_cache) in enumerate(zip(self._inner.layers, cache)):
-            h = h + _attention(layer.self_attn, layer.input_layernorm(h), layer_cache, idx, cpu)
+            segment_caches = [s.cache[i] for s in segments]
+            h = h + _attention(
+                layer.self_attn, layer.input_layernorm(h), layer_cache, idx, cpu, segment_caches
+            )
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in taps:
                 tapped.append(h[0])
+        if idx.segments:  # the head runs on the rows' positions and each segment's last one
+            read = list(range(layout.total)) + [end - 1 for _, end in idx.segments]
+            h = h[:, mx.array(read, dtype=mx.int32)]
         logits = self.target.unembed(self._inner.norm(h))[0]
         features = None
         if tapped:  # recorded in layer order; the adapter's features follow its tap order

@@ -37,11 +37,11 @@ from drafters.base import Drafter, DraftSession
 from drafters.lookup import LookupDrafter, LookupSession
 from engine import logprobs as token_logprobs
 from engine.kv_cache import RaggedKVCache
-from engine.packed import PackedLayout
+from engine.packed import PackedLayout, PrefillSegment
 from engine.prefix_cache import PrefixEntry, PrefixSave
 from engine.sampling import SamplingParams, request_key, sample
 from engine.target import TargetAdapter
-from scheduler.plan import Admission, RowOutcome, StepPlan, StepResult
+from scheduler.plan import Admission, PrefillChunk, RowOutcome, StepPlan, StepResult
 from scheduler.sources import DFLASH, LOOKUP
 
 
@@ -122,6 +122,20 @@ class _Decode:
 
 
 @dataclass
+class _Segment:
+    """A prefill chunk riding in the step's packed forward; its outputs (lazy) once it ran."""
+
+    chunk: PrefillChunk
+    state: _RowState
+    logits: mx.array | None = None  # [1, V] at the chunk's last position
+    features: mx.array | None = None  # [chunk tokens, F]
+
+    def packed(self) -> PrefillSegment:
+        ids = self.state.prompt_ids[self.chunk.start : self.chunk.end]
+        return PrefillSegment(ids, self.state.prefill_cache)
+
+
+@dataclass
 class _Lookahead:
     """A plain decode step launched before its plan arrived (see the module docstring)."""
 
@@ -163,8 +177,8 @@ class ModelRunner:
         self.lookup = lookup
         # Drafting steps verify packed (each row its own 1 + depth positions) where the target
         # allows; plain steps keep the stock forward (depth 0 is the plain path).
-        drafts = drafter is not None or lookup is not None
-        self.packed = target.packed_verifier() if packed_verify and drafts else None
+        # The packed forward also carries new requests' prefill chunks in a decoding step.
+        self.packed = target.packed_verifier() if packed_verify else None
         # Profiling adds a host sync after the draft forward to time it apart from the verify.
         self.profile_phases = profile_phases
         self._draft_seconds = 0.0
@@ -217,29 +231,6 @@ class ModelRunner:
         first_tokens: dict[str, mx.array] = {}
         self._first_logprobs = first_logprobs = []  # of first tokens, for requests that asked
         self._prompt_logprobs: list[token_logprobs.LazyLogprobs] = []
-        whole = [c for c in plan.prefills if c.start == 0 and c.last]
-        together = {c.request_id for c in whole} if len(whole) > 1 else set()
-        if together:  # whole prompts: one batched forward (short prompts are common)
-            self._prefill_together(whole, first_tokens)
-        for chunk in plan.prefills:
-            if chunk.request_id in together:
-                continue
-            state = self.states[chunk.request_id]
-            ids = mx.array([state.prompt_ids[chunk.start : chunk.end]], dtype=mx.int32)
-            full = state.params.prompt_logprobs is not None
-            logits, last, features = self._prefill_forward(
-                ids, state.prefill_cache, [ids.shape[1]], [full]
-            )
-            if features is not None:
-                state.prefill_features.append(features[0])
-            if full:
-                self._prompt_logprobs_of(state, logits[0], chunk.start, chunk.end, chunk.last)
-            if chunk.last:
-                first_tokens[chunk.request_id] = token = sample(
-                    last[0], state.params, state.next_key()
-                )[0]
-                if state.params.logprobs is not None:
-                    first_logprobs.append(_logprobs_of([state], last, token[None, None]))
         prefill_tokens = sum(c.end - c.start for c in plan.prefills)
 
         self._draft_seconds = 0.0
@@ -249,8 +240,23 @@ class ModelRunner:
             ahead_seconds = lookahead.build_seconds + lookahead.eval_seconds
         elif lookahead is not None:
             self._discard(lookahead)
+        # Prefill chunks ride in the rows' packed forward where they can (one forward, not
+        # one per join); the rest run on their own first.
+        riding: list[_Segment] = []
+        if decode is None and self.rows and self.packed is not None:
+            riding = [
+                _Segment(c, self.states[c.request_id])
+                for c in plan.prefills
+                if self.states[c.request_id].params.prompt_logprobs is None
+            ]
+        self._prefill_apart(
+            [c for c in plan.prefills if c.request_id not in {s.chunk.request_id for s in riding}],
+            first_tokens,
+        )
         if decode is None and self.rows:
-            decode = self._decode(plan.depths, plan.sources)
+            decode = self._decode(plan.depths, plan.sources, segments=riding)
+        for segment in riding:
+            self._segment_done(segment, first_tokens)
         early = self._launch_early(plan, decode)
 
         # The step's one host synchronisation.
@@ -303,6 +309,44 @@ class ModelRunner:
         result.memory_peak = mx.get_peak_memory()
         return result
 
+    def _prefill_apart(self, chunks: list[PrefillChunk], first_tokens: dict[str, mx.array]) -> None:
+        """Prefill chunks in forwards of their own (no decoding rows to ride with, a target
+        without the packed forward, or prompt logprobs asked for)."""
+        whole = [c for c in chunks if c.start == 0 and c.last]
+        together = {c.request_id for c in whole} if len(whole) > 1 else set()
+        if together:  # whole prompts: one batched forward (short prompts are common)
+            self._prefill_together(whole, first_tokens)
+        for chunk in chunks:
+            if chunk.request_id in together:
+                continue
+            state = self.states[chunk.request_id]
+            ids = mx.array([state.prompt_ids[chunk.start : chunk.end]], dtype=mx.int32)
+            full = state.params.prompt_logprobs is not None
+            logits, last, features = self._prefill_forward(
+                ids, state.prefill_cache, [ids.shape[1]], [full]
+            )
+            if features is not None:
+                state.prefill_features.append(features[0])
+            if full:
+                self._prompt_logprobs_of(state, logits[0], chunk.start, chunk.end, chunk.last)
+            if chunk.last:
+                self._first_token(state, last[0], first_tokens)
+
+    def _segment_done(self, segment: _Segment, first_tokens: dict[str, mx.array]) -> None:
+        """A chunk that rode in the packed forward: its features, and its first token."""
+        state = segment.state
+        if segment.features is not None:
+            state.prefill_features.append(segment.features)
+        if segment.chunk.last:
+            self._first_token(state, segment.logits, first_tokens)
+
+    def _first_token(self, state: _RowState, logits: mx.array,
+                     first_tokens: dict[str, mx.array]) -> None:  # fmt: skip
+        """Sample a request's first token from its prompt's last logits [1, V]."""
+        first_tokens[state.request_id] = token = sample(logits, state.params, state.next_key())[0]
+        if state.params.logprobs is not None:
+            self._first_logprobs.append(_logprobs_of([state], logits[None], token[None, None]))
+
     def _settle_cache(self) -> None:
         """Compute the batch cache's pending membership copies (rows leaving or joining) now.
         Left lazy they ran in the next step's sync and counted as that step's forward: a
@@ -331,13 +375,7 @@ class ModelRunner:
                 state.prefill_features.append(features[row, :n])
             if full[row]:
                 self._prompt_logprobs_of(state, logits[row], 0, n, True)
-            first_tokens[state.request_id] = token = sample(
-                last[row], state.params, state.next_key()
-            )[0]
-            if state.params.logprobs is not None:
-                self._first_logprobs.append(
-                    _logprobs_of([state], last[row : row + 1], token[None, None])
-                )
+            self._first_token(state, last[row], first_tokens)
 
     def _prefill_forward(
         self, ids: mx.array, cache: list[RaggedKVCache], lengths: list[int], full: list[bool]
@@ -436,9 +474,11 @@ class ModelRunner:
         depth_by_id: dict[str, int],
         source_by_id: dict[str, str] | None = None,
         anchors: mx.array | None = None,
+        segments: list[_Segment] = (),
     ) -> _Decode:
         """The step's forward for every row; `anchors` [B, 1] (lazy) replaces the rows'
-        committed anchors (only for a plain step launched before they are known)."""
+        committed anchors (only for a plain step launched before they are known). Prefill
+        `segments` ride in the packed forward (then it runs even for a plain step)."""
         states = [self.states[r] for r in self.rows]
         sources = [self._row_source(r, depth_by_id, source_by_id or {}) for r in self.rows]
         depths = [
@@ -458,10 +498,14 @@ class ModelRunner:
         elif width:
             raise ValueError("lazy anchors are for plain steps only")
         drafting = [i for i, d in enumerate(depths) if d > 0 and sources[i] == DFLASH]
-        if width:
-            drafts = self._draft_matrix(states, depths, drafting, lookup_drafts, width)
+        if segments and self.packed is None:
+            raise ValueError("prefill segments need the packed forward")
+        if width or segments:
+            drafts = None
+            if width:
+                drafts = self._draft_matrix(states, depths, drafting, lookup_drafts, width)
             if self.packed is not None:
-                decode = self._verify_packed(states, depths, drafts)
+                decode = self._verify_packed(states, depths, drafts, segments)
                 decode.drafted_rows, decode.sources = len(drafting), sources
                 decode.lookup_rows = len(lookup_drafts)
                 return decode
@@ -485,19 +529,29 @@ class ModelRunner:
         return decode
 
     def _verify_packed(
-        self, states: list[_RowState], depths: list[int], drafts: mx.array
-    ) -> _Decode:
+        self, states: list[_RowState], depths: list[int], drafts: mx.array | None,
+        segments: list[_Segment] = (),
+    ) -> _Decode:  # fmt: skip
         """The verify as one packed forward: row b contributes [anchor, its d_b drafts]
-        (`drafts` is [B, width], each row's own drafts first)."""
+        (`drafts` is [B, width], each row's own drafts first; None when no row drafts), and
+        each prefill segment its chunk's tokens after them."""
         B, width = len(states), max(depths)
         layout = PackedLayout.build([1 + d for d in depths], list(self.cache[0].lengths))
         # Packed ids gathered from [anchors of every row; the draft matrix, row by row].
         source = [
             j for b, d in enumerate(depths) for j in [b] + [B + b * width + i for i in range(d)]
         ]
-        pool = mx.concatenate([mx.array([s.anchor for s in states], dtype=mx.int32),
-                               drafts.reshape(-1)])  # fmt: skip
-        logits, features = self.packed(pool[mx.array(source, dtype=mx.int32)], layout, self.cache)
+        pool = [mx.array([s.anchor for s in states], dtype=mx.int32)]
+        if drafts is not None:
+            pool.append(drafts.reshape(-1))
+        tokens = mx.concatenate(pool)[mx.array(source, dtype=mx.int32)]
+        packed_segments = tuple(segment.packed() for segment in segments)
+        if segments:
+            prompt = [t for segment in packed_segments for t in segment.tokens]
+            tokens = mx.concatenate([tokens, mx.array(prompt, dtype=mx.int32)])
+        logits, features = self.packed(tokens, layout, self.cache, packed_segments)
+        self._segment_outputs(segments, layout.total, logits, features)
+        logits = logits[: layout.total] if segments else logits
         if all(s.params.greedy for s in states):
             packed_targets = mx.argmax(logits, axis=-1).astype(mx.int32)
         else:  # each row samples only its own positions, with its own sampler and key
@@ -507,7 +561,10 @@ class ModelRunner:
             ])  # fmt: skip
         by_row = mx.array(layout.padded_index(list(range(B)), 0, width + 1), dtype=mx.int32)
         targets = packed_targets[by_row].reshape(B, width + 1)
-        accepted = _accepted(drafts, targets, depths)
+        if drafts is None:
+            accepted = mx.zeros((B,), dtype=mx.int32)
+        else:
+            accepted = _accepted(drafts, targets, depths)
         decode = _Decode(depths, width, targets, accepted, features, 0, layout=layout)
         asking = [b for b, s in enumerate(states) if s.params.logprobs is not None]
         if asking:  # their positions, padded like `targets` (the padding is never committed)
@@ -516,6 +573,19 @@ class ModelRunner:
             picked = targets[mx.array(asking, dtype=mx.int32)]
             decode.logprobs = _logprobs_of([states[b] for b in asking], rows, picked)
         return decode
+
+    @staticmethod
+    def _segment_outputs(segments: list[_Segment], rows_total: int, logits: mx.array,
+                         features: mx.array | None) -> None:  # fmt: skip
+        """Each riding segment's last logits and features, read from the packed outputs
+        (logits: the rows' positions, then one per segment; features: every position)."""
+        start = rows_total
+        for s, segment in enumerate(segments):
+            n = segment.chunk.end - segment.chunk.start
+            segment.logits = logits[rows_total + s : rows_total + s + 1]
+            if features is not None:
+                segment.features = features[start : start + n]
+            start += n
 
     def _row_source(
         self, request_id: str, depth_by_id: dict[str, int], source_by_id: dict[str, str]

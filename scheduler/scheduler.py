@@ -47,8 +47,12 @@ class Scheduler:
         max_depth: int,
         source_depths: dict[str, int] | None = None,
         prefix: PrefixIndex | None = None,
+        prefill_rides: bool = False,
     ) -> None:
         self.limits = limits
+        # The runner carries prefill chunks inside a decoding step's forward (the packed
+        # forward), so a step about to prefill should not be looked ahead without them.
+        self.prefill_rides = prefill_rides
         self.policy = policy
         self.max_depth = max_depth
         # The draft sources served and the most one proposal of each holds (default: DFlash
@@ -175,8 +179,22 @@ class Scheduler:
             not any(plan.depths.values())
             and any(r.params.max_tokens - r.generated > 1 for r in self.running)
             and self._expects_plain_next()
+            and not (self.prefill_rides and self._prefill_next())
         )
         return plan
+
+    def _prefill_next(self) -> bool:
+        """Will the next step likely prefill? A prompt has chunks left, or a request waits and
+        a slot is free or frees now (a row whose last token this plain step commits). The
+        chunk then rides in that step's forward; a looked-ahead step would leave it a forward
+        of its own. (A stop string or EOS that ends a row cannot be foreseen.)"""
+        if any(r.prefilled < len(r.prompt_ids) for r in self.prefilling):
+            return True
+        if not self.waiting:
+            return False
+        ending = sum(1 for r in self.running if r.params.max_tokens - r.generated <= 1)
+        busy = len(self.prefilling) + len(self.running) - ending
+        return busy < self.limits.max_num_seqs
 
     def _options(self, request: Request) -> DraftOptions:
         allowed = allowed_sources(request.params.draft_sources, self.sources)

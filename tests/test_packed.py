@@ -193,3 +193,93 @@ def test_other_models_fall_back_to_the_padded_forward_with_a_reason(caplog):
     reason = packed.packed_unsupported_reason(llama, llama.model)
     assert reason is not None and "sliding" in reason
     assert TargetAdapter(_tiny_model("qwen2", seed=1), [1]).packed_verifier() is not None
+
+
+# ----------------------------------------------------------------- prefill segments
+def _segment_case(target: TargetAdapter, seed: int):
+    """Decoding rows of mixed depths, plus prompts to prefill in the same forward: a whole
+    prompt (empty cache), a second chunk (its first chunk already in its own cache), and a
+    one-token chunk."""
+    rng = random.Random(seed)
+    vocab = min(target.vocab_size, VOCAB)
+    prompts, verify = _batch(target, seed=seed, depths=[0, 3, 1, 0, 2])
+    chunks = []  # (prompt, tokens already cached)
+    for total, cached in ((23, 0), (31, 12), (9, 8)):
+        chunks.append(([rng.randrange(3, vocab) for _ in range(total)], cached))
+    return prompts, verify, chunks
+
+
+def _segments_forward(target: TargetAdapter, prompts, verify, chunks):
+    cache = _prefilled(target, prompts)
+    layout = PackedLayout.build([len(v) for v in verify], [len(p) for p in prompts])
+    segments = []
+    for prompt, cached in chunks:
+        own = [RaggedKVCache(1) for _ in target.layers]
+        if cached:
+            target(mx.array([prompt[:cached]]), own)
+        segments.append(packed.PrefillSegment(prompt[cached:], own))
+    tokens = [t for v in verify for t in v] + [t for s in segments for t in s.tokens]
+    logits, features = PackedVerifier(target)(mx.array(tokens, dtype=mx.int32), layout, cache,
+                                              tuple(segments))  # fmt: skip
+    return layout, segments, logits, features
+
+
+def _segments_error(target: TargetAdapter, seed: int) -> float:
+    """Largest difference, over rows and segments, from each sequence's forward alone."""
+    prompts, verify, chunks = _segment_case(target, seed)
+    layout, segments, logits, features = _segments_forward(target, prompts, verify, chunks)
+    error = 0.0
+    for b, (prompt, tokens) in enumerate(zip(prompts, verify)):
+        w, rows = len(tokens), slice(layout.starts[b], layout.starts[b] + len(tokens))
+        alone, alone_features = target(mx.array([prompt + tokens]))
+        error = max(error, float(mx.abs(alone[0, -w:] - logits[rows]).max()),
+                    float(mx.abs(alone_features[0, -w:] - features[rows]).max()))  # fmt: skip
+    start = layout.total
+    for s, ((prompt, cached), segment) in enumerate(zip(chunks, segments)):
+        n = len(prompt) - cached
+        alone, alone_features = target(mx.array([prompt]))
+        got_features = features[start : start + n]
+        error = max(error, float(mx.abs(alone[0, -1] - logits[layout.total + s]).max()),
+                    float(mx.abs(alone_features[0, cached:] - got_features).max()))  # fmt: skip
+        # The segment's own cache now holds the whole prompt, as a prefill alone leaves it.
+        reference = [RaggedKVCache(1) for _ in target.layers]
+        target(mx.array([prompt]), reference)
+        assert segment.cache[0].lengths == [len(prompt)]
+        for got, want in zip(segment.cache, reference):
+            error = max(error, float(mx.abs(got.fetch()[0] - want.fetch()[0]).max()))
+        start += n
+    assert logits.shape[0] == layout.total + len(chunks)
+    assert features is None or features.shape[0] == start
+    return error
+
+
+def test_prefill_segments_in_the_packed_forward_equal_each_sequence_alone(target):
+    """Rows of mixed depths and prefill chunks (whole, continued, one token) in one forward:
+    the rows' outputs are unchanged by the segments, each segment's last logits and every
+    feature equal mlx-lm's forward of that sequence alone, and its cache equals a prefill's."""
+    assert _segments_error(target, seed=3) < TOLERANCE
+
+
+def _segment_sees_everything(queries, keys, values, mask, scale, cpu=False):
+    """Broken: a segment position also sees the segment's later positions (no causal mask)."""
+    if isinstance(mask, str):
+        mask = None
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def test_a_broken_segment_mask_fails_the_segment_check(monkeypatch):
+    """Mutation test: the check above catches a prefill segment that is not causal."""
+    target = TargetAdapter(_tiny_model("llama", seed=7), [0, 2])
+    assert _segments_error(target, seed=4) < TOLERANCE
+    monkeypatch.setattr(packed, "row_attention", _segment_sees_everything)
+    assert _segments_error(target, seed=4) > 100 * TOLERANCE
+
+
+def test_a_segment_needs_its_tokens_after_the_rows(target):
+    prompts, verify, chunks = _segment_case(target, seed=5)
+    cache = _prefilled(target, prompts)
+    layout = PackedLayout.build([len(v) for v in verify], [len(p) for p in prompts])
+    segment = packed.PrefillSegment([4, 5, 6], [RaggedKVCache(1) for _ in target.layers])
+    tokens = mx.array([t for v in verify for t in v], dtype=mx.int32)  # segment tokens missing
+    with pytest.raises(ValueError):
+        PackedVerifier(target)(tokens, layout, cache, (segment,))

@@ -110,3 +110,65 @@ async def test_seeded_sampling_of_a_row_ignores_its_neighbours_depths(qwen3_targ
     drafting, plain = await run(3), await run(0)
     for i in range(1, 8, 2):  # the rows with drafting off
         assert drafting[i] == plain[i], i
+
+
+def _record_riding(engine) -> list:
+    """Every prefill chunk that rode in a decoding step's packed forward."""
+    runner = engine._runner
+    chunks, original = [], runner._segment_done
+
+    def segment_done(segment, first_tokens):
+        chunks.append(segment.chunk)
+        return original(segment, first_tokens)
+
+    runner._segment_done = segment_done
+    return chunks
+
+
+def _arrivals(vocab: int, seed: int) -> list:
+    """Requests arriving while others decode, some with prompts longer than a chunk."""
+    rng = random.Random(seed)
+    return [
+        (f"j{i}", [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))],
+         rng.randint(6, 16), None, 0.03 * i)
+        for i in range(12)
+    ]  # fmt: skip
+
+
+async def test_prefill_chunks_ride_in_the_decoding_step_and_stay_exact(
+    qwen3_target_dir, vocab_size
+):
+    """Requests that arrive while others decode prefill inside the decoding step's packed
+    forward (whole prompts and chunks of longer ones), with drafting off and with mixed
+    depths: greedy output equals plain decoding, the invariants hold after every step, and
+    seeded sampling equals an engine that prefills every chunk in a forward of its own."""
+    requests = _arrivals(vocab_size, seed=9)
+    model, _ = load_target_model(qwen3_target_dir)
+    references = [p + plain_greedy(model, p, m) for _, p, m, _, _ in requests]
+
+    async def run(depth: int, packed: bool = True, **params) -> tuple[list, list]:
+        config = EngineConfig(
+            target=str(qwen3_target_dir), max_num_seqs=4, prefill_chunk_tokens=16,
+            num_speculative_tokens=depth, packed_verify=packed,
+        )  # fmt: skip
+        async with ScriptedEngine(config, references, vocab_size, [3, 0, 7, 1]) as engine:
+            riding = _record_riding(engine)
+            failures = check_invariants(engine)
+            results = await run_all(engine, requests, **params)
+            await wait_idle(engine)
+            assert engine.kv_bytes() == 0
+        assert not failures, failures[:5]
+        return [tokens for tokens, _ in results], riding
+
+    for depth in (0, 7):
+        outputs, riding = await run(depth)
+        for reference, (request_id, prompt, *_), tokens in zip(references, requests, outputs):
+            assert tokens == reference[len(prompt) :], (depth, request_id)
+        assert any(c.start == 0 and c.last for c in riding), depth  # whole prompts
+        assert any(c.start > 0 for c in riding), depth  # later chunks of a long prompt
+        assert any(not c.last for c in riding), depth  # a first chunk, the rest to come
+
+    sampled, riding = await run(0, temperature=1.0, seed=3)
+    apart, none_rode = await run(0, packed=False, temperature=1.0, seed=3)
+    assert riding and not none_rode
+    assert sampled == apart

@@ -192,9 +192,19 @@ class Scheduler:
             return True
         if not self.waiting:
             return False
-        ending = sum(1 for r in self.running if r.params.max_tokens - r.generated <= 1)
-        busy = len(self.prefilling) + len(self.running) - ending
-        return busy < self.limits.max_num_seqs
+        staying = self.prefilling + [
+            r for r in self.running if r.params.max_tokens - r.generated > 1
+        ]
+        if len(staying) >= self.limits.max_num_seqs:
+            return False
+        return self._fits(self.waiting[0], sum(r.reserved_tokens for r in staying))
+
+    def _fits(self, request: Request, reserved: int) -> bool:
+        """Whether `request`'s KV reservation fits beside `reserved` tokens of others."""
+        if not self.limits.bytes_per_token:
+            return True
+        need = (reserved + request.reserved_tokens) * self.limits.bytes_per_token
+        return need <= self.limits.kv_cache_bytes
 
     def _options(self, request: Request) -> DraftOptions:
         allowed = allowed_sources(request.params.draft_sources, self.sources)
@@ -255,10 +265,8 @@ class Scheduler:
         reserved = sum(r.reserved_tokens for r in self.prefilling + self.running)
         while self.waiting and len(self.prefilling) + len(self.running) < self.limits.max_num_seqs:
             request = self.waiting[0]
-            if self.limits.bytes_per_token:
-                need = (reserved + request.reserved_tokens) * self.limits.bytes_per_token
-                if need > self.limits.kv_cache_bytes:
-                    break  # wait for memory to free up
+            if not self._fits(request, reserved):
+                break  # wait for memory to free up
             self.waiting.popleft()
             self._waiting_prompt_tokens -= len(request.prompt_ids)
             reserved += request.reserved_tokens

@@ -4,8 +4,11 @@
 
 - **Acceptance model.** Per request and draft position j, the conditional probability that
   draft j is accepted given drafts 1..j-1 were, learned online (EWMA) and starting from a prior
-  shared by all requests (itself an EWMA over everyone's observations). A request's expected
-  committed tokens at depth d are 1 + sum_k prod_{j<=k} q[j].
+  shared by all requests. The prior is the shrunk mean of everyone's recent observations:
+  (PRIOR_WEIGHT x the starting value + hits) / (PRIOR_WEIGHT + trials), with hits and trials
+  decaying at 2% per observation (a window of about 50). So a fresh engine stops believing the
+  starting 0.6 after a dozen rejections, where an EWMA at that slow rate still said 0.47.
+  A request's expected committed tokens at depth d are 1 + sum_k prod_{j<=k} q[j].
 - **Cost model.** With the packed verify (the default for llama/qwen2/qwen3 targets) a row
   pays for its own ``1 + depth`` positions, so a step's cost is the plain step of its B rows
   (+ prefill tokens) plus the extra cost of its E = sum(depths) drafted positions, drafter
@@ -38,7 +41,11 @@
   with exponential backoff (4, 8, ... 512 steps without drafting from a source; one backoff
   per source, so lookup drafting now and then neither resets nor blocks the re-trying of
   DFlash); a probe drafts one position for a few rows (those that drafted least recently),
-  so it costs a few packed positions, not a batch-wide width.
+  so it costs a few packed positions, not a batch-wide width. The backoff never goes below
+  what keeps probing within PROBE_BUDGET (3%) of the time at the measured costs: where a
+  probe costs about a plain step (the bundled pair at 8 rows: a drafter forward and an
+  attention group of its own), a source is probed at most every ~33 steps; where it costs a
+  tenth of one (SmolLM2 at 8 rows), the backoff alone decides.
 - **Draft sources.** A row may draft from DFlash or from prompt lookup (`scheduler.sources`);
   acceptance is modelled per request *and per source* (one `AcceptanceModel` each). Every
   row takes the source with the most expected tokens, and every choice is priced twice: with
@@ -61,10 +68,14 @@ from scheduler.sources import DFLASH, LOOKUP, DraftOptions
 PRIOR_ACCEPTANCE = 0.6  # before anything is observed
 # Lookup drafts are right far more often than chance only on copy-heavy text: a lower start.
 LOOKUP_PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 4.0  # pseudo-observations the starting acceptance counts for in the shared prior
 MIN_MARGINAL = 0.02  # a draft position is useless once its acceptance chance falls below this
 PROBE_START, PROBE_MAX = 4, 512
 UNPARK_MARGIN = 0.03  # predicted goodput gain needed to start drafting again once parked
 PROBE_ROWS = 2  # rows a probe drafts for (packed verify; padded probes every row)
+# The most of the decoding time probing may take: a source is probed at most once every
+# (a probe's predicted extra over a plain step) / (PROBE_BUDGET x a plain step) steps.
+PROBE_BUDGET = 0.03
 
 
 @dataclass
@@ -73,14 +84,19 @@ class AcceptanceModel:
 
     max_depth: int
     alpha: float = 0.15  # EWMA step for per-request estimates
-    prior_alpha: float = 0.02  # the shared prior moves slowly
+    prior_alpha: float = 0.02  # the shared prior's decay per observation (its memory)
     prior: list[float] = field(default_factory=list)
     per_request: dict[str, list[float]] = field(default_factory=dict)
     initial: float = PRIOR_ACCEPTANCE
+    # Decayed counts behind the shared prior, per position.
+    hits: list[float] = field(default_factory=list)
+    trials: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prior:
             self.prior = [self.initial] * self.max_depth
+        self.hits = [0.0] * self.max_depth
+        self.trials = [0.0] * self.max_depth
 
     def estimate(self, request_id: str) -> list[float]:
         return self.per_request.get(request_id, self.prior)
@@ -92,7 +108,12 @@ class AcceptanceModel:
         for j in range(judged):
             hit = 1.0 if j < accepted else 0.0
             mine[j] += self.alpha * (hit - mine[j])
-            self.prior[j] += self.prior_alpha * (hit - self.prior[j])
+            keep = 1.0 - self.prior_alpha
+            self.hits[j] = self.hits[j] * keep + hit
+            self.trials[j] = self.trials[j] * keep + 1.0
+            self.prior[j] = (PRIOR_WEIGHT * self.initial + self.hits[j]) / (
+                PRIOR_WEIGHT + self.trials[j]
+            )
 
     def expected_tokens(self, request_id: str, depth: int) -> float:
         q = self.estimate(request_id)
@@ -557,9 +578,22 @@ class AdaptiveDepthPolicy:
     def _due_probe(self) -> str | None:
         """The source a parked step would probe now: one usable source whose idle steps
         reached its backoff interval (the most overdue), or None."""
+        interval = {s: max(self._probe_interval[s], self.probe_floor(s)) for s in self._usable}
         due = [s for s in (DFLASH, LOOKUP)
-               if s in self._usable and self._idle[s] + 1 >= self._probe_interval[s]]  # fmt: skip
-        return max(due, key=lambda s: (self._idle[s] + 1) / self._probe_interval[s], default=None)
+               if s in self._usable and self._idle[s] + 1 >= interval[s]]  # fmt: skip
+        return max(due, key=lambda s: (self._idle[s] + 1) / interval[s], default=None)
+
+    def probe_floor(self, source: str) -> int:
+        """Fewest steps between two probes of `source` that keep probing within PROBE_BUDGET
+        of the time: a probe's predicted extra over a plain step of the latest batch, over
+        the budget's share of that plain step (PROBE_START at least, PROBE_MAX at most)."""
+        batch = self._last_batch
+        rows = min(PROBE_ROWS, batch) if self.cost.packed else batch
+        plain = self.cost.predict_plain(batch)
+        probe = self.cost.predict(batch, [1] * rows + [0] * (batch - rows),
+                                  drafting=source == DFLASH)  # fmt: skip
+        steps = math.ceil((probe - plain) / (PROBE_BUDGET * plain))
+        return min(PROBE_MAX, max(PROBE_START, steps))
 
     def _park_or_probe(self, requests: list[Request], caps: dict[str, dict[str, int]],
                        reason: str) -> tuple[dict[str, int], dict[str, str]]:  # fmt: skip
@@ -633,6 +667,7 @@ class AdaptiveDepthPolicy:
             "packed": self.cost.packed,
             "cost_samples": self.cost.samples,
             "probe_interval": dict(self._probe_interval),
+            "probe_floor": {s: self.probe_floor(s) for s in self._probe_interval},
             "steps_parked": self._steps_parked,
             "last_choice": self.last_choice,
         }

@@ -11,7 +11,13 @@ import random
 
 from engine.sampling import SamplingParams
 from engine.stopping import StopChecker
-from scheduler.adaptive import PROBE_MAX, PROBE_ROWS, AdaptiveDepthPolicy
+from scheduler.adaptive import (
+    PRIOR_ACCEPTANCE,
+    PROBE_MAX,
+    PROBE_ROWS,
+    AcceptanceModel,
+    AdaptiveDepthPolicy,
+)
 from scheduler.plan import RowOutcome, StepResult
 from scheduler.request import Request
 
@@ -425,3 +431,19 @@ def test_a_new_batch_size_is_first_measured_plain():
         assert not any(first.values()), size
         later = [sim.step(policy, requests) for _ in range(6)]
         assert any(any(d.values()) for d in later), size
+
+
+def test_the_shared_prior_leaves_its_starting_value_after_a_few_observations():
+    """A fresh engine's prior is a shrunk mean of everyone's recent observations: a dozen
+    rejections (or acceptances) move it most of the way, and over many it tracks the rate."""
+    for hit, check in ((0, lambda p: p < 0.2), (1, lambda p: p > 0.85)):
+        model = AcceptanceModel(4)
+        assert model.prior[0] == PRIOR_ACCEPTANCE
+        for i in range(12):
+            model.observe(f"r{i % 3}", 1, hit)
+        assert check(model.prior[0]), model.prior
+        assert model.prior[1] == PRIOR_ACCEPTANCE  # position 2 was never judged
+    model = AcceptanceModel(4)
+    for i in range(1000):  # accepted 3 times in 10
+        model.observe("r", 1, int(i % 10 < 3))
+    assert abs(model.prior[0] - 0.3) < 0.06, model.prior

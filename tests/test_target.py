@@ -79,31 +79,41 @@ def test_hidden_states_then_head_equal_the_forward(target_dir):
 
 
 def test_a_prompt_chunk_runs_the_head_on_one_position_per_row(qwen3_target_dir):
-    """Prefill (one chunk, and short prompts together) unembeds one position per prompt, not
-    every prompt token, unless the request asks for prompt logprobs."""
+    """Prefill (one chunk, short prompts together, and chunks riding in a decoding step's
+    packed forward) unembeds one position per prompt, not every prompt token, unless the
+    request asks for prompt logprobs."""
     from engine.runner import ModelRunner
     from engine.sampling import SamplingParams
     from scheduler.plan import Admission, PrefillChunk, StepPlan
 
     model, _ = load_target_model(qwen3_target_dir)
     target = TargetAdapter(model, [1])
-    runner = ModelRunner(target, None)
     shapes = []
     unembed = target.unembed
     target.unembed = lambda h: shapes.append(tuple(h.shape)) or unembed(h)
 
-    def prefill(prompts: dict[str, list[int]], prompt_logprobs=None):
+    def prefill(runner, prompts: dict[str, list[int]], prompt_logprobs=None, decoding=()):
         shapes.clear()
         params = SamplingParams(max_tokens=4, prompt_logprobs=prompt_logprobs)
         plan = StepPlan(
             admissions=[Admission(rid, ids, params) for rid, ids in prompts.items()],
             prefills=[PrefillChunk(rid, 0, len(ids), True) for rid, ids in prompts.items()],
+            depths=dict.fromkeys(decoding, 0),
         )
         return runner.execute(plan)
 
-    result = prefill({"a": [5, 6, 7, 8, 9, 10, 11]})
+    runner = ModelRunner(target, None)
+    result = prefill(runner, {"a": [5, 6, 7, 8, 9, 10, 11]})
     assert shapes == [(1, 1, 64)] and set(result.first_tokens) == {"a"}
-    result = prefill({"b": [5, 6, 7, 8, 9], "c": [3, 4, 5, 6, 7, 8, 9, 10]})
+    # No row decodes: whole prompts prefill together, one position each.
+    together = ModelRunner(target, None)
+    result = prefill(together, {"b": [5, 6, 7, 8, 9], "c": [3, 4, 5, 6, 7, 8, 9, 10]})
     assert shapes == [(2, 1, 64)] and set(result.first_tokens) == {"b", "c"}
-    prefill({"d": [5, 6, 7, 8, 9, 10, 11]}, prompt_logprobs=1)
-    assert shapes == [(1, 7, 64)]
+    # "a" decodes: the prompts ride in its packed forward, the head on a's position and one
+    # position per prompt.
+    result = prefill(runner, {"e": [5, 6, 7, 8, 9], "f": [3, 4, 5, 6, 7, 8, 9, 10]},
+                     decoding=["a"])  # fmt: skip
+    assert shapes == [(1, 3, 64)] and set(result.first_tokens) == {"e", "f"}
+    assert set(result.outcomes) == {"a"}
+    prefill(runner, {"d": [5, 6, 7, 8, 9, 10, 11]}, prompt_logprobs=1, decoding=["a", "e", "f"])
+    assert (1, 7, 64) in shapes  # apart, every position; the rows' step is a forward of its own

@@ -166,7 +166,8 @@ class AsyncEngine:
             return None
         config = self.config
         return LookupDrafter(config.lookup_min_ngram, config.lookup_max_ngram,
-                             config.lookup_max_depth)  # fmt: skip
+                             config.lookup_max_depth,
+                             config.lookup_depth_per_match or None)  # fmt: skip
 
     @property
     def draft_sources(self) -> tuple[str, ...]:

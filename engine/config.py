@@ -37,8 +37,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # otherwise; []: no drafting.
     draft_sources: list[str] | None = None
     lookup_min_ngram: int = 2  # shortest suffix a lookup match may use
-    lookup_max_ngram: int = 4  # longest suffix tried first
+    lookup_max_ngram: int = 8  # longest suffix tried first
     lookup_max_depth: int = 15  # most draft tokens one lookup proposal holds
+    # and at most this many per matched suffix token (a 2-token match drafts 2, a 6-token one
+    # 12): long matches copy on, short ones are often coincidences; 0: no cap
+    lookup_depth_per_match: int = 2
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -53,6 +56,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("need 1 <= lookup_min_ngram <= lookup_max_ngram")
         if self.lookup_max_depth < 1:
             raise ValueError("lookup_max_depth must be >= 1")
+        if self.lookup_depth_per_match < 0:
+            raise ValueError("lookup_depth_per_match must be >= 0 (0: no cap)")
         self.served_sources()  # unknown names, or dflash without a drafter, fail here
 
     def served_sources(self) -> tuple[str, ...]:

@@ -42,10 +42,10 @@
   per source, so lookup drafting now and then neither resets nor blocks the re-trying of
   DFlash); a probe drafts one position for a few rows (those that drafted least recently),
   so it costs a few packed positions, not a batch-wide width. The backoff never goes below
-  what keeps probing within PROBE_BUDGET (3%) of the time at the measured costs: where a
-  probe costs about a plain step (the bundled pair at 8 rows: a drafter forward and an
-  attention group of its own), a source is probed at most every ~33 steps; where it costs a
-  tenth of one (SmolLM2 at 8 rows), the backoff alone decides.
+  what keeps probing within PROBE_BUDGET (3%) of the time at the measured costs: a probe
+  that costs half a plain step (a drafter forward and an attention group of its own, on the
+  bundled pair at 8 rows) comes at most every 17 steps; one that costs a tenth of a step
+  (SmolLM2 at 8 rows) leaves the backoff to decide.
 - **Draft sources.** A row may draft from DFlash or from prompt lookup (`scheduler.sources`);
   acceptance is modelled per request *and per source* (one `AcceptanceModel` each). Every
   row takes the source with the most expected tokens, and every choice is priced twice: with

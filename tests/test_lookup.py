@@ -45,18 +45,20 @@ bounds = st.tuples(st.integers(1, 4), st.integers(0, 3)).map(lambda t: (t[0], t[
 
 @settings(max_examples=300, deadline=None)
 @given(tokens=st.one_of(random_tokens, repetitive_tokens), bounds=bounds,
-       depth=st.integers(1, 12))  # fmt: skip
-def test_incremental_index_equals_brute_force_after_every_token(tokens, bounds, depth):
+       depth=st.integers(1, 12), per_token=st.one_of(st.none(), st.integers(1, 3)))  # fmt: skip
+def test_incremental_index_equals_brute_force_after_every_token(tokens, bounds, depth, per_token):
     min_n, max_n = bounds
     index = NGramIndex(min_n, max_n)
     for length, token in enumerate(tokens, start=1):
         index.append(token)
         prefix = tokens[:length]
         assert index.match() == brute_force_match(prefix, min_n, max_n), prefix
-        drafts, n = index.propose(depth)
-        assert drafts == brute_force_drafts(prefix, min_n, max_n, depth), prefix
+        drafts, n = index.propose(depth, per_token)
         assert n == brute_force_match(prefix, min_n, max_n)[0]
-        assert len(drafts) in (0, depth)
+        # The cap by match length: at most per_token tokens per matched suffix token.
+        capped = depth if per_token is None else min(depth, per_token * n)
+        assert drafts == brute_force_drafts(prefix, min_n, max_n, capped), prefix
+        assert len(drafts) in (0, capped)
 
 
 def test_proposal_continues_the_most_recent_longest_match():
@@ -69,6 +71,9 @@ def test_proposal_continues_the_most_recent_longest_match():
     periodic.extend([4, 5, 4, 5])
     assert periodic.propose(5) == ([4, 5, 4, 5, 4], 2)
     assert NGramIndex(2, 4).propose(3) == ([], 0)
+    # Capped by the match: 2 tokens per matched suffix token.
+    assert index.propose(15, depth_per_token=2) == ([2, 6, 7, 8, 9, 2], 3)
+    assert periodic.propose(15, depth_per_token=1) == ([4, 5], 2)
 
 
 def test_session_follows_the_runners_commit_order_and_counts_acceptance():

@@ -21,8 +21,9 @@ import mlx.core as mx
 from drafters.base import Candidates
 from drafters.lookup.index import NGramIndex
 
-DEFAULT_MIN_N, DEFAULT_MAX_N = 2, 4
+DEFAULT_MIN_N, DEFAULT_MAX_N = 2, 8
 DEFAULT_MAX_DEPTH = 15
+DEFAULT_DEPTH_PER_MATCH = 2  # draft tokens per matched suffix token (see `NGramIndex.propose`)
 
 
 class LookupSession:
@@ -73,11 +74,15 @@ class LookupDrafter:
         min_n: int = DEFAULT_MIN_N,
         max_n: int = DEFAULT_MAX_N,
         max_depth: int = DEFAULT_MAX_DEPTH,
+        depth_per_match: int | None = DEFAULT_DEPTH_PER_MATCH,
     ) -> None:
         NGramIndex(min_n, max_n)  # validates the bounds here, not at the first request
         if max_depth < 1:
             raise ValueError("lookup max_depth must be >= 1")
+        if depth_per_match is not None and depth_per_match < 1:
+            raise ValueError("lookup depth_per_match must be >= 1 (or None: no cap)")
         self.min_n, self.max_n = min_n, max_n
+        self.depth_per_match = depth_per_match
         self.block_size = max_depth + 1
         self._max_depth = max_depth
 
@@ -104,7 +109,7 @@ class LookupDrafter:
         """Draft tokens for one session as a list (possibly fewer than `depth`: none on no
         match)."""
         session.add(session.cached, [anchor])
-        drafts, _ = session.index.propose(depth)
+        drafts, _ = session.index.propose(depth, self.depth_per_match)
         session.proposals += 1
         return drafts
 

@@ -9,6 +9,12 @@ A proposal takes the longest suffix (n from max_n down to min_n) that occurred b
 continues its most recent earlier occurrence. The continuation may run into the drafts
 themselves (copying as if they were already appended, as LZ77 does): a periodic tail such as
 ``a b a b`` then proposes ``a b a b ...`` to any depth instead of stopping after one period.
+
+A proposal may be capped by its match: at most ``depth_per_token x n`` tokens for an n-token
+match. A long match copies on for long; a 2-token one is often a coincidence. Replaying the
+SmolLM2 data records (`bench/lookup_oracle.py`), ``2n`` with suffixes up to 8 tokens commits
+2.94 tokens a step on code edits, against 2.73 for a flat depth 7 with suffixes up to 4, and
+with fewer positions verified.
 """
 
 from __future__ import annotations
@@ -51,10 +57,13 @@ class NGramIndex:
                 return n, position
         return 0, -1
 
-    def propose(self, depth: int) -> tuple[list[int], int]:
-        """Up to `depth` draft tokens continuing the longest earlier match, and the match
-        length n (0 and no drafts when nothing matches)."""
+    def propose(self, depth: int, depth_per_token: int | None = None) -> tuple[list[int], int]:
+        """Up to `depth` draft tokens continuing the longest earlier match (and, with
+        `depth_per_token`, at most that many per matched token), and the match length n
+        (0 and no drafts when nothing matches)."""
         n, position = self.match()
+        if depth_per_token is not None:
+            depth = min(depth, depth_per_token * n)
         if n == 0 or depth <= 0:
             return [], n
         tokens, length = self.tokens, len(self.tokens)

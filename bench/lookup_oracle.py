@@ -25,8 +25,13 @@ DEFAULT_DATA = (Path.home() / ".cache/flashbatch/drafter-build/smollm2-135m-inst
                 / "data.jsonl")  # fmt: skip
 
 
-def replay(prompt: list[int], generated: list[int], depth: int, max_n: int = DEFAULT_MAX_N,
-           per_token: int | None = DEFAULT_DEPTH_PER_MATCH) -> tuple[int, int, int, int, int]:
+def replay(
+    prompt: list[int],
+    generated: list[int],
+    depth: int,
+    max_n: int = DEFAULT_MAX_N,
+    per_token: int | None = DEFAULT_DEPTH_PER_MATCH,
+) -> tuple[int, int, int, int, int]:
     """(steps, committed tokens, steps with a match, drafts accepted on them, drafts)."""
     index = NGramIndex(DEFAULT_MIN_N, max_n)
     index.extend(prompt)

@@ -242,17 +242,8 @@ class ModelRunner:
             self._discard(lookahead)
         # Prefill chunks ride in the rows' packed forward where they can (one forward, not
         # one per join); the rest run on their own first.
-        riding: list[_Segment] = []
-        if decode is None and self.rows and self.packed is not None:
-            riding = [
-                _Segment(c, self.states[c.request_id])
-                for c in plan.prefills
-                if self.states[c.request_id].params.prompt_logprobs is None
-            ]
-        self._prefill_apart(
-            [c for c in plan.prefills if c.request_id not in {s.chunk.request_id for s in riding}],
-            first_tokens,
-        )
+        riding, apart = self._split_prefills(plan.prefills, rows_forward=decode is None)
+        self._prefill_apart(apart, first_tokens)
         if decode is None and self.rows:
             decode = self._decode(plan.depths, plan.sources, segments=riding)
         for segment in riding:
@@ -308,6 +299,24 @@ class ModelRunner:
         result.memory_active = mx.get_active_memory()
         result.memory_peak = mx.get_peak_memory()
         return result
+
+    def _split_prefills(
+        self, chunks: list[PrefillChunk], rows_forward: bool
+    ) -> tuple[list[_Segment], list[PrefillChunk]]:
+        """(chunks that ride in the rows' packed forward, chunks prefilled apart). Riding
+        needs rows decoding in a forward of this step (`rows_forward`: not one computed
+        ahead) and the packed forward; prompt logprobs need every position's logits, so
+        those chunks go apart."""
+        if not (rows_forward and self.rows and self.packed is not None):
+            return [], list(chunks)
+        riding, apart = [], []
+        for chunk in chunks:
+            state = self.states[chunk.request_id]
+            if state.params.prompt_logprobs is None:
+                riding.append(_Segment(chunk, state))
+            else:
+                apart.append(chunk)
+        return riding, apart
 
     def _prefill_apart(self, chunks: list[PrefillChunk], first_tokens: dict[str, mx.array]) -> None:
         """Prefill chunks in forwards of their own (no decoding rows to ride with, a target

@@ -4,7 +4,9 @@ Everything MLX lives here and is touched only from the engine's single MLX threa
 
 1. rows of finished/aborted requests leave the batch (`remove_rows`: the last rows move into
    their places, one row copied per hole);
-2. prefill chunks of new requests run, each request in its own small cache;
+2. prefill chunks of new requests run, each request in its own small cache: inside the
+   decoding rows' packed forward of step 3 where they can (`engine.packed.PrefillSegment`),
+   else in forwards of their own first;
 3. decode: one batched drafter forward for the rows with depth > 0, one batched target forward
    over ``[anchor, drafts...]`` of every row (packed: each row only its own ``1 + depth``
    positions, see `engine.packed`; padded to the widest for other architectures),
@@ -176,8 +178,8 @@ class ModelRunner:
         self.drafter = drafter
         self.lookup = lookup
         # Drafting steps verify packed (each row its own 1 + depth positions) where the target
-        # allows; plain steps keep the stock forward (depth 0 is the plain path).
-        # The packed forward also carries new requests' prefill chunks in a decoding step.
+        # allows, and so does a step that carries prefill chunks beside its decoding rows;
+        # other plain steps keep the stock forward (depth 0 is the plain path).
         self.packed = target.packed_verifier() if packed_verify else None
         # Profiling adds a host sync after the draft forward to time it apart from the verify.
         self.profile_phases = profile_phases

@@ -578,10 +578,13 @@ class AdaptiveDepthPolicy:
     def _due_probe(self) -> str | None:
         """The source a parked step would probe now: one usable source whose idle steps
         reached its backoff interval (the most overdue), or None."""
-        interval = {s: max(self._probe_interval[s], self.probe_floor(s)) for s in self._usable}
-        due = [s for s in (DFLASH, LOOKUP)
-               if s in self._usable and self._idle[s] + 1 >= interval[s]]  # fmt: skip
-        return max(due, key=lambda s: (self._idle[s] + 1) / interval[s], default=None)
+        # The backoff first (a counter compare): the cost-based floor is priced only for a
+        # source the backoff alone would probe, not on every parked step.
+        idle = {s: self._idle[s] + 1 for s in (DFLASH, LOOKUP) if s in self._usable}
+        backed_off = [s for s in idle if idle[s] >= self._probe_interval[s]]
+        interval = {s: max(self._probe_interval[s], self.probe_floor(s)) for s in backed_off}
+        due = [s for s in backed_off if idle[s] >= interval[s]]
+        return max(due, key=lambda s: idle[s] / interval[s], default=None)
 
     def probe_floor(self, source: str) -> int:
         """Fewest steps between two probes of `source` that keep probing within PROBE_BUDGET

@@ -134,6 +134,7 @@ def stage_fit(work: Path, target: str, args: argparse.Namespace) -> dict[str, An
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, num_anchors=args.num_anchors,
         max_len=args.max_len, out_dir=str(out), resume=True, checkpoint_every=50,
         progress=False, log_every=10, feature_cache_mb=args.feature_cache_mb,
+        feature_store_dir=str(work),  # computed once per machine and corpus, then read back
         draft_vocab_size=args.draft_vocab,
     )  # fmt: skip
     if has_checkpoint(out):

@@ -46,6 +46,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from drafters.dflash.checkpoint import load_dflash_model, save_dflash_model
 from drafters.dflash.config import DFlashConfig, default_target_layer_ids
+from drafters.dflash.features import FeatureStore
 from drafters.dflash.model import DFlashAttention, DFlashDraftModel
 from drafters.dflash.vocab import DraftHead, choose_draft_vocab, read_draft_vocab
 from engine.target import TargetAdapter
@@ -77,6 +78,7 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 100  # optimizer steps; 0: only at the end
     feature_cache_mb: int = 4096  # target features kept between epochs (0: recompute each time)
+    feature_store_dir: str = ""  # set: features computed once into a disk store there (one per target)
     log_every: int = 10
     out_dir: str = "drafter"
     resume: bool = False
@@ -558,7 +560,13 @@ def train(
     head = DraftHead(target, draft_vocab) if draft_vocab is not None else None
     value_and_grad = nn.value_and_grad(model, lambda f, b: block_loss(model, target, f, b, head))
 
-    features_of = FeatureCache(target, config.feature_cache_mb << 20)
+    features_of: FeatureCache | FeatureStore
+    if config.feature_store_dir:
+        tokens = [s.tokens for s in sequences]
+        features_of = FeatureStore.build(target, tokens, Path(config.feature_store_dir),
+                                         target_name=target.model_type)  # fmt: skip
+    else:
+        features_of = FeatureCache(target, config.feature_cache_mb << 20)
     result = TrainResult(model, start)
     bar = _progress(range(start, config.steps), desc="training", enabled=config.progress)
     for step in bar:

@@ -1,0 +1,131 @@
+"""The disk store of a training corpus's target features: equal to the features of each
+sequence alone, resumable after a stop, and a fit on it equals a fit on in-memory features."""
+
+from __future__ import annotations
+
+import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
+
+# isort: split
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from drafters.dflash import features as feature_store
+from drafters.dflash import train
+from drafters.dflash.features import FeatureStore, length_batches
+from engine.loading import load_target_model
+from engine.target import TargetAdapter
+
+LAYER_IDS = [1, 4]
+
+
+def _target(target_dir: Path) -> TargetAdapter:
+    model, _ = load_target_model(target_dir)
+    return TargetAdapter(model, LAYER_IDS)
+
+
+def _corpus(vocab: int, lengths: list[int], seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=n).astype(np.int32) for n in lengths]
+
+
+LENGTHS = [5, 40, 17, 3, 33, 40, 9, 26, 1, 12]
+
+
+def test_length_batches_cover_every_sequence_once_within_the_budget():
+    rng = np.random.default_rng(1)
+    lengths = [int(n) for n in rng.integers(1, 300, size=200)] + [900]
+    groups = length_batches(lengths, batch_tokens=512, max_rows=8)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for group in groups:
+        longest = max(lengths[i] for i in group)
+        assert len(group) <= 8
+        assert len(group) == 1 or len(group) * longest <= 512
+
+
+def test_stored_features_equal_each_sequence_alone(qwen3_target_dir: Path, tmp_path: Path):
+    target = _target(qwen3_target_dir)
+    tokens = _corpus(target.vocab_size, LENGTHS)
+    store = FeatureStore.build(target, tokens, tmp_path, "qwen3", batch_tokens=160, max_rows=4)
+    assert len(store) == len(tokens)
+    for i, seq in enumerate(tokens):
+        alone = np.array(train.target_features(target, seq))
+        np.testing.assert_allclose(np.array(store.get(i)), alone, rtol=1e-4, atol=1e-4)
+
+
+def test_a_stopped_build_resumes_where_it_stopped(
+    qwen3_target_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    target = _target(qwen3_target_dir)
+    tokens = _corpus(target.vocab_size, LENGTHS * 4, seed=2)  # 40 sequences, 1 a batch
+    written: list[list[int]] = []
+    real_write = feature_store._write_batch
+
+    def stop_after_20(target, tokens, members, offsets, data):
+        if len(written) == 20:
+            raise KeyboardInterrupt
+        written.append(members)
+        real_write(target, tokens, members, offsets, data)
+
+    monkeypatch.setattr(feature_store, "_write_batch", stop_after_20)
+    with pytest.raises(KeyboardInterrupt):
+        FeatureStore.build(target, tokens, tmp_path, "qwen3", max_rows=1)
+    directory = next(tmp_path.glob("features-*"))
+    assert json.loads((directory / feature_store.PROGRESS_FILE).read_text())["batches"] == 16
+
+    monkeypatch.setattr(feature_store, "_write_batch", real_write)
+    computed: list[list[int]] = []
+
+    def counting(target, tokens, members, offsets, data):
+        computed.append(members)
+        real_write(target, tokens, members, offsets, data)
+
+    monkeypatch.setattr(feature_store, "_write_batch", counting)
+    store = FeatureStore.build(target, tokens, tmp_path, "qwen3", max_rows=1)
+    assert len(computed) == 40 - 16  # only what the stopped run had not counted
+    for i, seq in enumerate(tokens):
+        alone = np.array(train.target_features(target, seq))
+        np.testing.assert_allclose(np.array(store.get(i)), alone, rtol=1e-4, atol=1e-4)
+    computed.clear()
+    FeatureStore.build(target, tokens, tmp_path, "qwen3", max_rows=1)
+    assert computed == []  # a finished store is read, never recomputed
+
+
+def test_another_corpus_gets_a_store_of_its_own(qwen3_target_dir: Path, tmp_path: Path):
+    target = _target(qwen3_target_dir)
+    first = FeatureStore.build(target, _corpus(target.vocab_size, LENGTHS), tmp_path, "qwen3")
+    second = FeatureStore.build(
+        target, _corpus(target.vocab_size, LENGTHS, seed=5), tmp_path, "qwen3"
+    )
+    assert first.directory != second.directory
+
+
+def test_a_fit_on_the_store_equals_a_fit_on_features_in_memory(
+    qwen3_target_dir: Path, tmp_path: Path
+):
+    target = _target(qwen3_target_dir)
+    tokens = _corpus(target.vocab_size, [24, 30, 18, 27], seed=3)
+    sequences = [train.TrainSequence(t, 6) for t in tokens]
+    raw = json.loads((qwen3_target_dir / "config.json").read_text())
+    drafter_config = train.drafter_config_for_target(
+        raw, num_layers=1, block_size=4, target_layer_ids=LAYER_IDS
+    )
+    common = dict(steps=8, lr=1e-2, num_anchors=8, checkpoint_every=0, progress=False,
+                  log_every=0, seed=3)  # fmt: skip
+    in_memory = train.train(
+        target, sequences, train.TrainConfig(out_dir=str(tmp_path / "a"), **common),
+        drafter_config,
+    )  # fmt: skip
+    on_disk = train.train(
+        target, sequences,
+        train.TrainConfig(out_dir=str(tmp_path / "b"), feature_store_dir=str(tmp_path), **common),
+        drafter_config,
+    )  # fmt: skip
+    assert list(tmp_path.glob("features-*"))
+    np.testing.assert_allclose(
+        [loss for _, loss, _ in on_disk.history],
+        [loss for _, loss, _ in in_memory.history],
+        rtol=1e-3,
+    )

@@ -68,6 +68,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--engines", type=_csv(str), help=f"engine kinds (default {','.join(ENGINE_KINDS)})"
     )
     parser.add_argument("--max-prompt-tokens", type=int, help="keep each prompt's last N tokens")
+    parser.add_argument(
+        "--stop-at-eos", action="store_true",
+        help="every engine ends a request at the target's EOS, as a user's request ends "
+        "(default: EOS ignored, every request max_tokens long)",
+    )  # fmt: skip
     parser.add_argument("--no-warmup", dest="warmup", action="store_false")
     parser.add_argument("--out", help="results folder (default results/<timestamp>)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")

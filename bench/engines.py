@@ -3,7 +3,9 @@
 Each engine serves a list of prompt token ids at a concurrency (closed loop: at most that many
 requests in flight, the next one submitted when one finishes) and returns a `RunResult` of
 timestamps taken with the harness's clock. Every engine ignores EOS, so all of them produce
-`max_tokens` tokens per request on the same prompts.
+`max_tokens` tokens per request on the same prompts; with `RunParams.stop_at_eos` every engine
+stops a request at the target's EOS instead (what a user gets; greedy, all engines then still
+produce the same tokens).
 
 - `MlxStreamEngine`: mlx-lm `stream_generate`, one request at a time; with `draft_model` it is
   mlx-lm's speculative decoding with an autoregressive draft (`num_draft_tokens` per step).
@@ -41,6 +43,7 @@ class EngineUnavailable(RuntimeError):
 class RunParams:
     max_tokens: int
     temperature: float
+    stop_at_eos: bool = False  # True: a request ends at EOS (or max_tokens), in every engine
 
 
 def _error(exc: BaseException) -> str:
@@ -105,7 +108,8 @@ class MlxStreamEngine(BenchEngine):
         self.draft_model = draft_model
         self.num_draft_tokens = num_draft_tokens
         wrapper = tokenizer if isinstance(tokenizer, TokenizerWrapper) else None
-        self.tokenizer = copy.copy(wrapper) if wrapper else TokenizerWrapper(tokenizer)
+        self.tokenizer_with_eos = wrapper if wrapper else TokenizerWrapper(tokenizer)
+        self.tokenizer = copy.copy(self.tokenizer_with_eos)
         self.tokenizer.eos_token_ids = set()  # ignore EOS, like every engine in the suite
         self.description = (
             "mlx_lm.stream_generate, one request at a time"
@@ -125,6 +129,7 @@ class MlxStreamEngine(BenchEngine):
         active = _memory_at_start()
         records = []
         depths: dict[int, int] = {}
+        tokenizer = self.tokenizer_with_eos if params.stop_at_eos else self.tokenizer
         started = clock()
         for prompt in prompts:
             record = RequestRecord(submitted=clock(), prompt_tokens=len(prompt))
@@ -132,7 +137,7 @@ class MlxStreamEngine(BenchEngine):
             produced = 0
             in_step = False
             for response in stream_generate(
-                self.model, self.tokenizer, prompt, max_tokens=params.max_tokens,
+                self.model, tokenizer, prompt, max_tokens=params.max_tokens,
                 sampler=sampler, **kwargs,
             ):  # fmt: skip
                 record.add_chunk(clock(), 1)
@@ -164,10 +169,12 @@ class MlxBatchEngine(BenchEngine):
     family = "mlx-lm"
     description = "mlx_lm BatchGenerator (continuous batching), completion batch = concurrency"
 
-    def __init__(self, name: str, model: Any, prefill_step_size: int = 256) -> None:
+    def __init__(self, name: str, model: Any, prefill_step_size: int = 256,
+                 eos_token_ids: set[int] | None = None) -> None:  # fmt: skip
         self.name = name
         self.model = model
         self.prefill_step_size = prefill_step_size
+        self.eos_token_ids = sorted(eos_token_ids or ())  # used with `stop_at_eos`
 
     async def run(self, prompts, concurrency, params, clock) -> RunResult:
         from mlx_lm.generate import BatchGenerator
@@ -177,6 +184,7 @@ class MlxBatchEngine(BenchEngine):
             self.model, max_tokens=params.max_tokens, completion_batch_size=concurrency,
             prefill_batch_size=min(concurrency, 8), prefill_step_size=self.prefill_step_size,
             sampler=make_sampler(temp=params.temperature),
+            stop_tokens=[[t] for t in self.eos_token_ids] if params.stop_at_eos else None,
         )  # fmt: skip
         active = _memory_at_start()
         queue = list(prompts)
@@ -264,7 +272,8 @@ class FlashbatchEngine(BenchEngine):
         from engine.sampling import SamplingParams
 
         sampling = SamplingParams(
-            max_tokens=params.max_tokens, ignore_eos=True, temperature=params.temperature
+            max_tokens=params.max_tokens, ignore_eos=not params.stop_at_eos,
+            temperature=params.temperature,
         )
         gate = asyncio.Semaphore(concurrency)
         records = [RequestRecord(submitted=math.nan, prompt_tokens=len(p)) for p in prompts]

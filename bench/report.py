@@ -83,7 +83,10 @@ def markdown_report(results: dict) -> str:
         f"{cfg.get('max_tokens')} tokens per request, {cfg.get('rounds')} round(s)"
         f"{', quick mode' if cfg.get('quick') else ''}.",
         "",
-        DEFINITIONS,
+        DEFINITIONS if not cfg.get("stop_at_eos") else DEFINITIONS.replace(
+            "`max_tokens` long (EOS ignored)",
+            "up to `max_tokens` long: every engine ends a request at EOS (`--stop-at-eos`)",
+        ),
         "",
         "## Engines",
         "",

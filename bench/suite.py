@@ -70,6 +70,7 @@ class SuiteConfig:
     policies: list[str] = field(default_factory=lambda: ["off", "3", "7", "adaptive"])
     engines: list[str] = field(default_factory=lambda: list(ENGINE_KINDS))
     max_prompt_tokens: int | None = None  # keep each prompt's last N tokens
+    stop_at_eos: bool = False  # every engine ends a request at EOS (default: EOS ignored)
     # "bundled": the bundled pair's workloads (raw text); "mix": held-out prompts of the chat
     # mix, in the chat template where the kind is chat (real instruct models)
     workload_set: str = "bundled"
@@ -207,7 +208,8 @@ def build_engines(cfg: SuiteConfig) -> tuple[Any, list[BenchEngine]]:
     if "mlx-lm" in cfg.engines:
         engines.append(MlxStreamEngine("mlx-lm", model, tokenizer))
     if "batch-generator" in cfg.engines:
-        engines.append(MlxBatchEngine("mlx-lm batch", model))
+        eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        engines.append(MlxBatchEngine("mlx-lm batch", model, eos_token_ids=eos))
     if "mlx-lm-spec" in cfg.engines:
         name = f"mlx-lm spec k={cfg.num_draft_tokens}"
         try:
@@ -381,7 +383,7 @@ async def run_suite(
                 tokenizer, workload, cfg.requests_at(concurrency), cfg.max_prompt_tokens,
                 cfg.workload_set,
             )  # fmt: skip
-            params = RunParams(cfg.max_tokens, temperature)
+            params = RunParams(cfg.max_tokens, temperature, cfg.stop_at_eos)
             here = runs_here(concurrency)
             runs: dict[str, list[RunResult]] = {e.name: [] for e in here}
             errors: dict[str, str] = {e.name: failures[e.name] for e in here if e.name in failures}
@@ -505,7 +507,8 @@ def config_from_args(args: Any) -> SuiteConfig:
         drafter = None
     cfg = SuiteConfig(target=str(target), drafter=drafter, ar_draft=args.ar_draft or None,
                       num_draft_tokens=args.num_draft_tokens, warmup=args.warmup,
-                      quick=args.quick, max_prompt_tokens=args.max_prompt_tokens)  # fmt: skip
+                      quick=args.quick, max_prompt_tokens=args.max_prompt_tokens,
+                      stop_at_eos=getattr(args, "stop_at_eos", False))  # fmt: skip
     from engine.models.registry import BUNDLED
 
     named_bundled = target == BUNDLED and not Path(target).exists()  # `--target bundled`

@@ -384,3 +384,47 @@ def test_policies_choose_draft_sources(qwen3_target_dir):
     assert all(e.config.prefix_cache_bytes == 0 for e in engines if hasattr(e, "config"))
     with pytest.raises(ValueError, match="unknown draft sources"):
         policy_depth("3@eagle")
+
+
+def test_stop_at_eos_ends_each_request_at_the_same_token_in_every_engine(tmp_path):
+    """`--stop-at-eos`: mlx-lm, BatchGenerator and flashbatch all end a request at the target's
+    EOS (greedy: the same tokens), where by default every request runs to max_tokens."""
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from bench.suite import cell_prompts
+    from engine.bundled.pair import bundled_paths
+    from engine.loading import load_target_model
+
+    source, _ = bundled_paths()  # a trained target: its greedy text varies
+    model, tokenizer = load_target_model(source)
+    prompt = cell_prompts(tokenizer, "completion", 1, None)[0]
+    tokenizer.eos_token_ids = set()
+    greedy = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=16,
+                                               sampler=make_sampler(temp=0.0))]  # fmt: skip
+    # The first token not seen before, from the 4th on, becomes the target's EOS.
+    stop_at = next(i for i in range(3, 16) if greedy[i] not in greedy[:i])
+    target = tmp_path / "target"
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config["eos_token_id"] = int(greedy[stop_at])
+    (target / "config.json").write_text(json.dumps(config))
+
+    def tokens_per_request(stop_at_eos: bool) -> dict[str, list[int]]:
+        cfg = SuiteConfig(target=str(target), drafter=None, workloads=["completion"],
+                          temperatures=[0.0], concurrency=[1], requests=2, max_tokens=16,
+                          rounds=1, engines=["mlx-lm", "batch-generator", "flashbatch"],
+                          policies=["off", "adaptive@lookup"], warmup=False,
+                          stop_at_eos=stop_at_eos, out_dir=str(tmp_path / f"out{stop_at_eos}"),
+                          workload_set="bundled")  # fmt: skip
+        results = asyncio.run(run_suite(cfg, clock=counting_clock(), progress=False))
+        rows = [r for r in results["rows"] if r["status"] == "ok"]
+        assert len(rows) == 4
+        return {r["engine"]: [rec["tokens"] for rec in r["rounds"][0]["records"]] for r in rows}
+
+    stopped = tokens_per_request(True)
+    first = stopped["mlx-lm"][0]
+    assert first == stop_at + 1  # the tokens before EOS, and EOS itself
+    assert all(counts == stopped["mlx-lm"] for counts in stopped.values()), stopped
+    ignored = tokens_per_request(False)
+    assert all(counts == [16, 16] for counts in ignored.values()), ignored

@@ -12,6 +12,8 @@ produce the same tokens).
 - `MlxBatchEngine`: mlx-lm `BatchGenerator` (continuous batching) at the concurrency.
 - `FlashbatchEngine`: an `AsyncEngine`; its `EngineConfig.num_speculative_tokens` picks drafting
   off (0), a fixed depth, or the adaptive controller (None).
+- The mlx-lm engines run with OpenBLAS's own thread count, as their users get it; flashbatch
+  sets it per forward (`engine/blas_threads.py`).
 - `UnavailableEngine`: stands in for an engine that cannot run (say, no AR draft model) so the
   report shows it as not available, with the reason.
 """
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+
+from engine.blas_threads import restore_default_threads
 
 from bench.stats import RequestRecord, RunResult
 
@@ -122,6 +126,7 @@ class MlxStreamEngine(BenchEngine):
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
+        restore_default_threads()  # as its users run it, not with the engine's choice
         sampler = make_sampler(temp=params.temperature)
         kwargs: dict[str, Any] = {}
         if self.draft_model is not None:
@@ -180,6 +185,7 @@ class MlxBatchEngine(BenchEngine):
         from mlx_lm.generate import BatchGenerator
         from mlx_lm.sample_utils import make_sampler
 
+        restore_default_threads()  # as its users run it, not with the engine's choice
         generator = BatchGenerator(
             self.model, max_tokens=params.max_tokens, completion_batch_size=concurrency,
             prefill_batch_size=min(concurrency, 8), prefill_step_size=self.prefill_step_size,

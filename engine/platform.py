@@ -174,6 +174,17 @@ def report_blas(logger: logging.Logger | None = None) -> BlasStatus:
             "BLAS: slow reference BLAS in use (%s); CPU matmuls will be 20-100x slower",
             status.detail,
         )
+    if status.name == "openblas" and not uses_gpu():
+        from engine.blas_threads import THREADS_ENV_VAR, blas_threads
+
+        control = blas_threads()
+        if control is None:
+            logger.info("BLAS threads: OpenBLAS's own (%s=default)", THREADS_ENV_VAR)
+        elif control.fixed is not None:
+            logger.info("BLAS threads: %d (%s)", control.fixed, THREADS_ENV_VAR)
+        else:
+            logger.info("BLAS threads: %d for small forwards, %d for large ones",
+                        control.small, control.default)  # fmt: skip
     return status
 
 

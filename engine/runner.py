@@ -38,6 +38,7 @@ import mlx.core as mx
 from drafters.base import Drafter, DraftSession
 from drafters.lookup import LookupDrafter, LookupSession
 from engine import logprobs as token_logprobs
+from engine.blas_threads import blas_threads
 from engine.kv_cache import RaggedKVCache
 from engine.packed import PackedLayout, PrefillSegment
 from engine.prefix_cache import PrefixEntry, PrefixSave
@@ -193,6 +194,8 @@ class ModelRunner:
         self.prefix_entries: dict[int, PrefixEntry] = {}
         self.prefix_caching = False  # the engine turns it on with a budget
         self._to_eval: list[mx.array] = []  # new entries and compacted logs, for the sync
+        # OpenBLAS's thread count per forward (CPU backend): small forwards leave a core free.
+        self.blas = blas_threads()
 
     @property
     def source_depths(self) -> dict[str, int]:
@@ -234,6 +237,8 @@ class ModelRunner:
         self._first_logprobs = first_logprobs = []  # of first tokens, for requests that asked
         self._prompt_logprobs: list[token_logprobs.LazyLogprobs] = []
         prefill_tokens = sum(c.end - c.start for c in plan.prefills)
+        if self.blas is not None:  # before any of the step's forwards is computed
+            self.blas.fit(prefill_tokens + len(self.rows) + sum(plan.depths.values()))
 
         self._draft_seconds = 0.0
         decode, ahead_seconds = None, 0.0
@@ -468,6 +473,8 @@ class ModelRunner:
         lookahead = self._lookahead
         if lookahead is not None and not lookahead.eval_seconds:
             started = time.perf_counter()
+            if self.blas is not None:
+                self.blas.fit(len(lookahead.rows))
             mx.async_eval(lookahead.decode.arrays())
             lookahead.eval_seconds = time.perf_counter() - started
 

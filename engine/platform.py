@@ -175,15 +175,11 @@ def report_blas(logger: logging.Logger | None = None) -> BlasStatus:
             status.detail,
         )
     if status.name == "openblas" and not uses_gpu():
-        from engine.blas_threads import THREADS_ENV_VAR, blas_threads
+        from engine.blas_threads import blas_threads
 
         control = blas_threads()
-        if control is None:
-            logger.info("BLAS threads: OpenBLAS's own (%s=default)", THREADS_ENV_VAR)
-        elif control.fixed is not None:
-            logger.info("BLAS threads: %d (%s)", control.fixed, THREADS_ENV_VAR)
-        else:
-            logger.info("BLAS threads: %d for small forwards, %d for large ones",
+        if control is not None:
+            logger.info("BLAS threads: %d for decode and verify forwards, %d for prefill",
                         control.small, control.default)  # fmt: skip
     return status
 

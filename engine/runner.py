@@ -194,7 +194,7 @@ class ModelRunner:
         self.prefix_entries: dict[int, PrefixEntry] = {}
         self.prefix_caching = False  # the engine turns it on with a budget
         self._to_eval: list[mx.array] = []  # new entries and compacted logs, for the sync
-        # OpenBLAS's thread count per forward (CPU backend): small forwards leave a core free.
+        # OpenBLAS's thread count for small forwards, where an operator set one (CPU backend).
         self.blas = blas_threads()
 
     @property

@@ -1,6 +1,6 @@
-"""OpenBLAS's thread count per forward: one core left free for small forwards, every thread
-for large ones, a fixed count by setting, the library's own count back for baselines, and the
-engine setting it per step."""
+"""OpenBLAS's thread count for small forwards (an operator's setting): the set count below
+SMALL_FORWARD positions, the library's own above, nothing changed without the setting, the
+library's count back for baselines, and the engine setting it per step."""
 
 from __future__ import annotations
 
@@ -34,11 +34,13 @@ def test_small_forwards_get_the_small_count_and_large_ones_all_threads():
     assert setter.calls[-2:] == [1, 2]
 
 
-def test_a_fixed_count_holds_for_every_forward():
-    setter = RecordingSetter()
-    control = BlasThreads(setter, default=2, small=1, fixed=3)
-    assert control.fit(1) == 3 and control.fit(10_000) == 3
-    assert setter.calls == [3]
+def test_the_setting_is_read_as_a_count_or_default(monkeypatch):
+    for value, expected in (("", None), ("default", None), ("1", 1), ("3", 3), ("0", 1),
+                            ("many", None)):  # fmt: skip
+        monkeypatch.setenv(bt.THREADS_ENV_VAR, value)
+        assert bt.small_forward_threads() == expected
+    monkeypatch.delenv(bt.THREADS_ENV_VAR)
+    assert bt.small_forward_threads() is None  # by default the library's count stays
 
 
 def _in_fresh_process(code: str, env: dict[str, str]) -> str:
@@ -59,17 +61,10 @@ def test_the_library_count_follows_the_forward_size():
         "c = blas_threads()\nc.fit(4); small = get()\nc.fit(512); large = get()\n"
         "print(c.small, c.default, small, large)"
     )
-    small, default, got_small, got_large = map(
-        int, _in_fresh_process(code, {"OPENBLAS_NUM_THREADS": "2"}).split()
-    )
-    assert default == 2 and got_large == 2
-    assert small == max(1, min(2, (os.cpu_count() or 1) - 1)) and got_small == small
-    fixed = _in_fresh_process(
-        "c = blas_threads(); c.fit(4); print(c.fixed, c.current)",
-        {"OPENBLAS_NUM_THREADS": "2", bt.THREADS_ENV_VAR: "1"},
-    )
-    assert fixed == "1 1"
-    assert _in_fresh_process("print(blas_threads())", {bt.THREADS_ENV_VAR: "default"}) == "None"
+    env = {"OPENBLAS_NUM_THREADS": "2", bt.THREADS_ENV_VAR: "1"}
+    assert _in_fresh_process(code, env).split() == ["1", "2", "1", "2"]
+    unset = {"OPENBLAS_NUM_THREADS": "2", bt.THREADS_ENV_VAR: "default"}
+    assert _in_fresh_process("print(blas_threads())", unset) == "None"
 
 
 def test_the_runner_sets_the_count_for_each_step():

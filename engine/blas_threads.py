@@ -8,7 +8,7 @@ steps of ~8 decoding rows, each setting run in turn; `bench/step_trace.py`):
 
 - 2026-12-02 08:10 UTC: one thread 195-205 ms a step, two 290-645 ms (a whole serving run:
   output 1.34x faster on one thread, `BatchGenerator` 1.42x);
-- 08:50 UTC: one thread 183 ms, two 135 ms (three runs each, interleaved).
+- 08:45 UTC: one thread 183 ms, two 135 ms (three runs each, one after the other in turn).
 
 What differs is the machine's load from outside (a shared host), which no setting here can
 see. So by default the engine leaves OpenBLAS's count alone, and ``FLASHBATCH_BLAS_THREADS=N``

@@ -5,10 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+# How long each request runs: by default every engine ignores EOS (`--stop-at-eos`: not).
+REQUEST_LENGTH = {
+    False: "every request `max_tokens` long (EOS ignored)",
+    True: "every request up to `max_tokens` long: every engine ends it at EOS (`--stop-at-eos`)",
+}
 DEFINITIONS = (
-    "Each cell serves its requests closed-loop at the concurrency, every request "
-    "`max_tokens` long (EOS ignored). tok/s: output tokens / the run's wall time, median of "
-    "the interleaved rounds. vs best mlx-lm: against the fastest mlx-lm engine of the cell "
+    "Each cell serves its requests closed-loop at the concurrency, {request_length}. tok/s: "
+    "output tokens / the run's wall time, median of the interleaved rounds. vs best mlx-lm: "
+    "against the fastest mlx-lm engine of the cell "
     "(single-stream engines, measured at concurrency 1, serve concurrent clients one after "
     "another at the same rate, so they count at every concurrency). req tok/s: a request's "
     "tokens / its latency (median). TTFT and ITL percentiles pool all rounds' requests; ITL "
@@ -83,10 +88,7 @@ def markdown_report(results: dict) -> str:
         f"{cfg.get('max_tokens')} tokens per request, {cfg.get('rounds')} round(s)"
         f"{', quick mode' if cfg.get('quick') else ''}.",
         "",
-        DEFINITIONS if not cfg.get("stop_at_eos") else DEFINITIONS.replace(
-            "`max_tokens` long (EOS ignored)",
-            "up to `max_tokens` long: every engine ends a request at EOS (`--stop-at-eos`)",
-        ),
+        DEFINITIONS.format(request_length=REQUEST_LENGTH[bool(cfg.get("stop_at_eos"))]),
         "",
         "## Engines",
         "",

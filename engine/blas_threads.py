@@ -21,6 +21,7 @@ GPU, another BLAS) the setting is ignored.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 
@@ -66,10 +67,6 @@ def _symbols() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
         return None
 
 
-_control: BlasThreads | None = None
-_decided = False
-
-
 def small_forward_threads() -> int | None:
     """The operator's count for small forwards, or None (unset, `default`, or not a count)."""
     setting = os.environ.get(THREADS_ENV_VAR, "default").strip().lower()
@@ -83,13 +80,10 @@ def small_forward_threads() -> int | None:
         return None
 
 
+@functools.cache
 def blas_threads() -> BlasThreads | None:
     """The process's control (made once), or None where there is nothing to do: no setting,
     no OpenBLAS in the process, or a GPU backend."""
-    global _control, _decided
-    if _decided:
-        return _control
-    _decided = True
     small = small_forward_threads()
     if small is None:
         return None
@@ -103,11 +97,11 @@ def blas_threads() -> BlasThreads | None:
     set_threads, get_threads = symbols
     set_threads.argtypes, set_threads.restype = [ctypes.c_int], None
     get_threads.restype = ctypes.c_int
-    _control = BlasThreads(set_threads, max(1, int(get_threads())), small)
-    return _control
+    return BlasThreads(set_threads, max(1, int(get_threads())), small)
 
 
 def restore_default_threads() -> None:
     """OpenBLAS's own thread count, if the engine changed it (baselines run with it)."""
-    if _control is not None:
-        _control.restore()
+    control = blas_threads()
+    if control is not None:
+        control.restore()

@@ -135,10 +135,8 @@ def _write_batch(
     ids = np.zeros((len(members), longest), dtype=np.int32)
     for row, i in enumerate(members):
         ids[row, : len(tokens[i])] = tokens[i]
-    if target.head_separable:  # features only: the LM head would be wasted work
-        _, features = target.hidden_states(mx.array(ids))
-    else:
-        _, features = target(mx.array(ids))
+    # Only the features are evaluated: MLX never computes the unused logits (the LM head).
+    _, features = target(mx.array(ids))
     features = np.asarray(features.astype(mx.float32))
     for row, i in enumerate(members):
         data[int(offsets[i]) : int(offsets[i + 1])] = features[row, : len(tokens[i])]

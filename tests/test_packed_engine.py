@@ -126,11 +126,12 @@ def _record_riding(engine) -> list:
 
 
 def _arrivals(vocab: int, seed: int) -> list:
-    """Requests arriving while others decode, some with prompts longer than a chunk."""
+    """Requests arriving while others decode (long enough that earlier ones still decode when
+    later ones arrive, on a fast machine too), some with prompts longer than a chunk."""
     rng = random.Random(seed)
     return [
         (f"j{i}", [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))],
-         rng.randint(6, 16), None, 0.03 * i)
+         rng.randint(16, 32), None, 0.03 * i)
         for i in range(12)
     ]  # fmt: skip
 

@@ -60,7 +60,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, help="interleaved rounds; medians reported (3)")
     parser.add_argument(
         "--policies", type=_csv(str),
-        help="flashbatch engines: off, fixed depths, adaptive, each optionally @dflash, @lookup "
+        help="flashbatch engines: off, fixed depths, adaptive (adaptive-unguarded: without the "
+        "never-slower guard), each optionally @dflash, @lookup "
         "or @dflash+lookup (draft sources; default: both with a drafter, else lookup); "
         "default off,3,7,adaptive",
     )  # fmt: skip

@@ -135,6 +135,10 @@ def cell_prompts(
 
 
 # ----------------------------------------------------------------------------- engines
+# The adaptive controller without its "never slower" guard (`scheduler.guard`), to measure it.
+UNGUARDED = "adaptive-unguarded"
+
+
 def split_policy(policy: str) -> tuple[str, list[str] | None]:
     """`<depth policy>[@<sources>]`: `adaptive@lookup`, `3@dflash`, `adaptive@dflash+lookup`;
     no `@`: the engine's default sources (both with a DFlash drafter, else lookup)."""
@@ -151,7 +155,7 @@ def split_policy(policy: str) -> tuple[str, list[str] | None]:
 
 def policy_depth(policy: str) -> int | None:
     policy, _ = split_policy(policy)
-    if policy == "adaptive":
+    if policy in ("adaptive", UNGUARDED):
         return None
     if policy == "off":
         return 0
@@ -167,7 +171,7 @@ def policy_sources(policy: str) -> list[str] | None:
 
 def policy_name(policy: str) -> str:
     depth, sources = split_policy(policy)
-    name = "flashbatch " + (depth if depth in ("off", "adaptive") else f"d={depth}")
+    name = "flashbatch " + (depth if depth in ("off", "adaptive", UNGUARDED) else f"d={depth}")
     return name + (f" {'+'.join(sources) or 'none'}" if sources is not None else "")
 
 
@@ -235,6 +239,7 @@ def build_engines(cfg: SuiteConfig) -> tuple[Any, list[BenchEngine]]:
                 target=str(cfg.target), drafter=str(cfg.drafter) if cfg.drafter else None,
                 max_num_seqs=max(cfg.concurrency), max_waiting_requests=100_000,
                 num_speculative_tokens=depth, draft_sources=sources, prefix_cache_bytes=0,
+                drafting_guard=split_policy(policy)[0] != UNGUARDED,
             )  # fmt: skip
             engines.append(FlashbatchEngine(name, config))
     return tokenizer, engines

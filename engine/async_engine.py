@@ -33,6 +33,7 @@ from engine.stopping import StopChecker
 from metrics import EngineMetrics
 from scheduler.adaptive import AdaptiveDepthPolicy
 from scheduler.depth import DepthPolicy, FixedDepthPolicy
+from scheduler.guard import DraftingGuard
 from scheduler.plan import StepResult
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler, SchedulerLimits
@@ -124,7 +125,10 @@ class AsyncEngine:
                 self._policy = FixedDepthPolicy(self.config.num_speculative_tokens)
             else:
                 packed = self._runner.packed is not None  # its cost follows the verify's shape
-                self._policy = AdaptiveDepthPolicy(self._runner.max_depth, packed=packed)
+                guard = DraftingGuard() if self.config.drafting_guard else None
+                self._policy = AdaptiveDepthPolicy(
+                    self._runner.max_depth, packed=packed, guard=guard
+                )
                 if self._runner.max_depth:
                     profile = await loop.run_in_executor(self._executor, self._runner.profile)
                     self._policy.seed(profile)

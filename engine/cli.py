@@ -183,6 +183,7 @@ def _serve(args: argparse.Namespace) -> int:
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         draft_sources=args.draft_sources,
         prefix_cache_bytes=args.prefix_cache_bytes,
+        drafting_guard=args.drafting_guard == "on",
     )
     settings = ServerSettings(
         api_key=args.api_key,
@@ -257,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_sources,
         default=_env("DRAFT_SOURCES", None, _sources),
         help="dflash,lookup | dflash | lookup | none (default: both with a drafter, else lookup)",
+    )
+    srv.add_argument(
+        "--drafting-guard",
+        choices=("on", "off"),
+        default=_env("DRAFTING_GUARD", "on"),
+        help="adaptive depth only: hold drafting off at batch sizes where whole steps measured "
+        "slower with it (default on; off: the depth controller alone)",
     )
     srv.add_argument(
         "--prefill-chunk-tokens", type=int, default=_env("PREFILL_CHUNK_TOKENS", 1024, int)

@@ -25,6 +25,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     prefix_cache_bytes: int = 512 << 20
     # None: the adaptive depth controller; a number: that fixed depth for everyone (0 = off)
     num_speculative_tokens: int | None = None
+    # Adaptive only: per batch size, hold drafting off where whole steps, event loop included,
+    # measured slower with it than without (`scheduler.guard`); False: the controller alone.
+    drafting_guard: bool = True
     # Verify rows packed (each row pays for its own 1 + depth positions) where the target's
     # architecture allows (mlx-lm llama, qwen2, qwen3); False: the padded verify everywhere.
     packed_verify: bool = True

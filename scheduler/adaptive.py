@@ -61,6 +61,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler.depth import request_cap
+from scheduler.guard import DraftingGuard
 from scheduler.plan import StepResult
 from scheduler.request import Request
 from scheduler.sources import DFLASH, LOOKUP, DraftOptions
@@ -301,8 +302,11 @@ class CostModel:
 class AdaptiveDepthPolicy:
     """The goodput-maximising depth controller (see the module docstring)."""
 
-    def __init__(self, max_depth: int = 15, warmup_steps: int = 3, packed: bool = True) -> None:
+    def __init__(self, max_depth: int = 15, warmup_steps: int = 3, packed: bool = True,
+                 guard: DraftingGuard | None = None) -> None:  # fmt: skip
         self.max_depth = max_depth
+        # Holds drafting off, per batch size, where it measurably loses (`scheduler.guard`).
+        self.guard = guard
         self.acceptance = AcceptanceModel(max_depth)  # DFlash's
         self.lookup_acceptance = AcceptanceModel(max_depth, initial=LOOKUP_PRIOR_ACCEPTANCE)
         self.models = {DFLASH: self.acceptance, LOOKUP: self.lookup_acceptance}
@@ -345,6 +349,12 @@ class AdaptiveDepthPolicy:
         self._usable = {s for cap in caps.values() for s in cap}
         max_depth = max((c for cap in caps.values() for c in cap.values()), default=0)
         batch = len(requests)
+        if max_depth and self._held(batch):
+            self.last_sources = {}
+            self.last_choice = {"width": 0, "positions": 0, "exploring": False,
+                                "reason": "measured_slower"}  # fmt: skip
+            self.parked_reasons = dict.fromkeys((r.request_id for r in requests), "measured_slower")
+            return {r.request_id: 0 for r in requests}, {}
         # Drafting is judged against the plain step of this batch size: measure that first
         # (one plain step). Else, with drafts chosen from the first step at a new size, the
         # plain cost is never seen, only guessed (at 32 clients, guessed 3x too high).
@@ -425,6 +435,11 @@ class AdaptiveDepthPolicy:
             self.last_choice["predicted"] = self.cost.predict(
                 result.batch_size, depths, result.prefill_tokens, drafting
             )
+        if self.guard is not None:
+            tokens = sum(len(o.tokens) for o in result.outcomes.values())
+            clean = not result.prefill_tokens and not result.first_tokens
+            plain = self.cost.predict_plain(result.batch_size) if result.batch_size else 0.0
+            self.guard.observe(result.batch_size, tokens, plain, clean)
         if self._probing:
             source, self._probing = self._probing, None
             if any(o.drafted for o in result.outcomes.values()):
@@ -437,6 +452,10 @@ class AdaptiveDepthPolicy:
         self._active = set(result.outcomes)
 
     # ----------------------------------------------------------------- internals
+    def _held(self, batch: int) -> bool:
+        """The guard holds this batch size plain (drafting measured slower there)."""
+        return self.guard is not None and not self.guard.allows_drafting(batch)
+
     def _cap(self, request: Request, max_depth: int) -> int:
         """The request's own cap, further limited by its remaining token budget."""
         remaining = request.params.max_tokens - request.generated
@@ -623,6 +642,8 @@ class AdaptiveDepthPolicy:
         lookahead plain step when such a row gets a match.) Judged for the row alone at
         depth 1: the worth of its expected extra token against widening the latest batch's
         verify."""
+        if self._held(self._last_batch):
+            return False
         q = self.lookup_acceptance.estimate(request_id)[0]
         batch = max(1, self._last_batch)
         plain = self.cost.predict_plain(batch)
@@ -638,7 +659,7 @@ class AdaptiveDepthPolicy:
         """Parked now: the next step parks too unless a probe falls due (or the measured
         costs, the batch or a new lookup match change the decision, which the runner then
         absorbs)."""
-        return self._due_probe() is None
+        return self._held(self._last_batch) or self._due_probe() is None
 
     def seed(self, samples: list[tuple[int, int, float]]) -> None:
         """Seed the cost model with a warm-up profile: (batch, width, seconds) triples of
@@ -673,4 +694,5 @@ class AdaptiveDepthPolicy:
             "probe_floor": {s: self.probe_floor(s) for s in self._probe_interval},
             "steps_parked": self._steps_parked,
             "last_choice": self.last_choice,
+            "guard": self.guard.state() if self.guard is not None else None,
         }

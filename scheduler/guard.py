@@ -1,0 +1,117 @@
+"""The "never slower" guard: drafting stays on only where it measurably beats plain decoding.
+
+The adaptive controller decides from models: an acceptance estimate per request and a cost
+curve of the forward. Some costs never reach those models: the controller's own planning on
+the event loop, the looked-ahead plain step a drafting step cannot have, the upkeep of draft
+sessions, the joins that drafting desynchronises. On a target whose step is a few
+milliseconds (the bundled pair at 8 rows: 15 ms) they add up to about a tenth of the time,
+and drafting that the models call a small win is a loss.
+
+So the guard measures the whole loop instead. Per octave of batch size it runs the
+controller in epochs of EPOCH_STEPS decode steps, either free (the controller decides) or
+held plain (no drafting, no planning), and scores each epoch by its speed against plain
+decoding:
+
+    speed = sum over steps of (committed tokens / rows) x plain step seconds(rows)
+            / wall seconds of those steps (event loop included)
+
+which is 1 for ideal plain decoding and is compared between the two arms on the same
+curve, so the batch size and the machine's speed cancel. Steps that prefill or join are left
+out (their cost is not the drafting's), as are gaps in which the engine sat idle. The arm
+with the better smoothed speed wins; the other is re-measured for one epoch after 2, 4, ...
+MAX_EXPLORE_GAP epochs while it keeps losing, so a workload that changes is noticed and a
+losing arm costs at most a few percent of its loss.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+FREE, HELD = "free", "held"
+EPOCH_STEPS = 16  # decode steps per measured epoch
+SPEED_ALPHA = 0.35  # EWMA weight of an epoch's speed
+MIN_EXPLORE_GAP, MAX_EXPLORE_GAP = 2, 32  # epochs of the winner between two of the loser
+IDLE_FACTOR = 4.0  # a gap this many plain steps long (plus IDLE_SLACK) was idle, not work
+IDLE_SLACK = 0.05
+
+
+@dataclass
+class _Arms:
+    """One batch-size octave's two arms: smoothed speeds, the current epoch, the schedule."""
+
+    arm: str = FREE
+    speed: dict[str, float] = field(default_factory=dict)
+    work: float = 0.0  # plain-step seconds the epoch's committed tokens stand for
+    seconds: float = 0.0  # wall seconds the epoch took
+    steps: int = 0
+    gap: int = MIN_EXPLORE_GAP  # winner epochs before the loser is measured again
+    since_explore: int = 0  # winner epochs since the loser's last one
+    exploring: bool = False  # the current epoch re-measures the losing arm
+
+    def close_epoch(self) -> None:
+        speed = self.work / self.seconds if self.seconds > 0 else None
+        self.work = self.seconds = 0.0
+        self.steps = 0
+        if speed is None:
+            return
+        before = self.speed.get(self.arm)
+        self.speed[self.arm] = speed if before is None else before + SPEED_ALPHA * (speed - before)
+        if HELD not in self.speed:  # the first epoch ran free: measure plain next
+            self.arm, self.exploring = HELD, True
+            return
+        winner = FREE if self.speed.get(FREE, 0.0) >= self.speed[HELD] else HELD
+        if self.exploring:
+            # The loser got its epoch: lost again, explore it less often; won, watch closely.
+            self.gap = min(MAX_EXPLORE_GAP, 2 * self.gap) if self.arm != winner else MIN_EXPLORE_GAP
+            self.since_explore = 0
+        else:
+            self.since_explore += 1
+        self.exploring = self.since_explore >= self.gap
+        self.arm = (HELD if winner == FREE else FREE) if self.exploring else winner
+
+
+class DraftingGuard:
+    """Per batch-size octave, whether the controller may draft (see the module docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.arms: dict[int, _Arms] = {}
+        self._last: float | None = None
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return int(math.log2(max(batch, 1)))
+
+    def allows_drafting(self, batch: int) -> bool:
+        """Free for this batch size now (the controller decides), or held plain."""
+        arms = self.arms.get(self.bucket(batch))
+        return arms is None or arms.arm == FREE
+
+    def observe(self, batch: int, tokens: int, plain_seconds: float, clean: bool) -> None:
+        """One step ended: `tokens` committed by `batch` decoding rows; `plain_seconds` is the
+        cost model's plain step of that many rows; `clean`: no prefill and no join in it."""
+        now = self.clock()
+        elapsed, self._last = (None if self._last is None else now - self._last), now
+        if not clean or batch <= 0 or elapsed is None or plain_seconds <= 0:
+            return
+        if elapsed > IDLE_FACTOR * plain_seconds + IDLE_SLACK:
+            return  # the engine waited for work in between
+        arms = self.arms.setdefault(self.bucket(batch), _Arms())
+        arms.work += tokens / batch * plain_seconds
+        arms.seconds += elapsed
+        arms.steps += 1
+        if arms.steps >= EPOCH_STEPS:
+            arms.close_epoch()
+
+    def state(self) -> dict:
+        return {
+            f"batch {2**b}-{2 ** (b + 1) - 1}": {
+                "arm": a.arm,
+                "speed": {k: round(v, 3) for k, v in a.speed.items()},
+                "explore_gap": a.gap,
+            }
+            for b, a in sorted(self.arms.items())
+        }

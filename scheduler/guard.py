@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 FREE, HELD = "free", "held"
 EPOCH_STEPS = 16  # decode steps per measured epoch
 SPEED_ALPHA = 0.35  # EWMA weight of an epoch's speed
-MIN_EXPLORE_GAP, MAX_EXPLORE_GAP = 2, 32  # epochs of the winner between two of the loser
+# Epochs of the winner between two of the loser. At most 8: a loser of 10% then costs about
+# 1%, and a workload that turns (the same engine, other traffic) is noticed within 128 steps.
+MIN_EXPLORE_GAP, MAX_EXPLORE_GAP = 2, 8
 # Drafting this much faster than held decoding is never re-checked against it (held decoding
 # scores about 1; the lookahead it gets back is worth a few percent, not a quarter).
 CLEAR_WIN = 1.25

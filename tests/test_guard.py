@@ -50,16 +50,15 @@ def test_drafting_that_loses_whole_loop_time_is_held_off_and_rarely_retried():
     guard = DraftingGuard(clock)
     # Drafting commits 5% more tokens a step but each step takes 15% longer: a loss the
     # controller's own models may miss (its planning, a lost lookahead).
-    arms = play(guard, clock, 8, free=(1.05, 0.0115), held=(1.0, 0.0100), steps=EPOCH_STEPS * 110)
+    arms = play(guard, clock, 8, free=(1.05, 0.0115), held=(1.0, 0.0100), steps=EPOCH_STEPS * 60)
     seen = epochs(arms)
     assert seen[:3] == [FREE, HELD, HELD]  # both measured, then the winner kept
     assert not guard.allows_drafting(8)
-    # The loser is re-measured ever more rarely: after 2 epochs, then 4, 8, 16, 32, 32.
+    # The loser is re-measured ever more rarely: after 2 epochs, then 4, then every 8.
     free_epochs = [i for i, arm in enumerate(seen) if arm == FREE]
     gaps = [b - a - 1 for a, b in zip(free_epochs, free_epochs[1:])]
-    assert gaps == [3, 4, 8, 16, 32, 32]
-    assert max(gaps) == MAX_EXPLORE_GAP
-    assert sum(arm == FREE for arm in seen) / len(seen) < 0.07
+    assert gaps[:4] == [3, 4, 8, 8] and set(gaps[2:]) == {MAX_EXPLORE_GAP}
+    assert sum(arm == FREE for arm in seen) / len(seen) < 0.15
 
 
 def test_drafting_that_wins_narrowly_stays_on_and_plain_is_only_re_measured():
@@ -69,7 +68,7 @@ def test_drafting_that_wins_narrowly_stays_on_and_plain_is_only_re_measured():
     seen = epochs(arms)
     assert seen[:3] == [FREE, HELD, FREE]  # 1.14 against 1.0
     assert guard.allows_drafting(8)
-    assert sum(arm == HELD for arm in seen) <= 4  # the first, then gaps of 4, 8, 16
+    assert sum(arm == HELD for arm in seen) <= 6  # the first, then after 4, then every 8
 
 
 def test_drafting_that_wins_clearly_never_spends_an_epoch_held():

@@ -3,9 +3,9 @@
 The adaptive controller decides from models: an acceptance estimate per request and a cost
 curve of the forward. Some costs never reach those models: the controller's own planning on
 the event loop, the looked-ahead plain step a drafting step cannot have, the upkeep of draft
-sessions, the joins that drafting desynchronises. On a target whose step is a few
-milliseconds (the bundled pair at 8 rows: 15 ms) they add up to about a tenth of the time,
-and drafting that the models call a small win is a loss.
+sessions. On a target whose step is a few milliseconds (the bundled pair at 8 rows: 15 ms)
+they add up to about a tenth of the time, and drafting that the models call a small win is a
+loss.
 
 So the guard measures the whole loop instead. Per octave of batch size it runs the
 controller in epochs of EPOCH_STEPS decode steps, either free (the controller decides) or
@@ -15,12 +15,15 @@ decoding:
     speed = sum over steps of (committed tokens / rows) x plain step seconds(rows)
             / wall seconds of those steps (event loop included)
 
-which is 1 for ideal plain decoding and is compared between the two arms on the same
-curve, so the batch size and the machine's speed cancel. Steps that prefill or join are left
-out (their cost is not the drafting's), as are gaps in which the engine sat idle. The arm
-with the better smoothed speed wins; the other is re-measured for one epoch after 2, 4, ...
+which is about 1 for plain decoding and is compared between the two arms on the same curve,
+so the batch size and the machine's speed cancel. Steps that prefill or join are left out
+(their cost is not the drafting's; so the joins that drafting desynchronises in a lockstep
+batch stay unseen), as are gaps in which the engine sat idle. The arm with the better
+smoothed speed wins; the other is re-measured for one epoch after 2, 4, then every
 MAX_EXPLORE_GAP epochs while it keeps losing, so a workload that changes is noticed and a
-losing arm costs at most a few percent of its loss.
+losing arm costs at most a few percent of its loss. Where drafting wins clearly (CLEAR_WIN),
+held decoding is not measured at all: it could not catch up, and each held epoch would cost
+the drafting's whole gain for its length.
 """
 
 from __future__ import annotations

@@ -163,6 +163,7 @@ async def test_in_the_engine_the_guard_measures_both_arms_and_output_stays_exact
 
     async def run(config: EngineConfig) -> tuple[list[list[int]], AsyncEngine]:
         async with AsyncEngine(config) as engine:
+
             async def one(prompt: str) -> list[int]:
                 tokens: list[int] = []
                 async for out in engine.generate(prompt, params):

@@ -8,9 +8,9 @@ they add up to about a tenth of the time, and drafting that the models call a sm
 loss.
 
 So the guard measures the whole loop instead. Per octave of batch size it runs the
-controller in epochs of EPOCH_STEPS decode steps, either free (the controller decides) or
-held plain (no drafting, no planning), and scores each epoch by its speed against plain
-decoding:
+controller in epochs of EPOCH_STEPS decode steps (and EPOCH_SECONDS), either free (the
+controller decides) or held plain (no drafting, no planning), and scores each epoch by its
+speed against plain decoding:
 
     speed = sum over steps of (committed tokens / rows) x plain step seconds(rows)
             / wall seconds of those steps (event loop included)
@@ -34,7 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 FREE, HELD = "free", "held"
-EPOCH_STEPS = 16  # decode steps per measured epoch
+# An epoch is at least this many decode steps and this many seconds: on a target whose step
+# takes 5 ms, 16 steps are 80 ms, and one stall of 20 ms would move the epoch's speed by 25%.
+EPOCH_STEPS, EPOCH_SECONDS = 16, 0.4
 SPEED_ALPHA = 0.35  # EWMA weight of an epoch's speed
 # Epochs of the winner between two of the loser. At most 8: a loser of 10% then costs about
 # 1%, and a workload that turns (the same engine, other traffic) is noticed within 128 steps.
@@ -90,8 +92,10 @@ class _Arms:
 class DraftingGuard:
     """Per batch-size octave, whether the controller may draft (see the module docstring)."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 epoch_seconds: float = EPOCH_SECONDS) -> None:  # fmt: skip
         self.clock = clock
+        self.epoch_seconds = epoch_seconds
         self.arms: dict[int, _Arms] = {}
         self._last: float | None = None
 
@@ -117,7 +121,7 @@ class DraftingGuard:
         arms.work += tokens / batch * plain_seconds
         arms.seconds += elapsed
         arms.steps += 1
-        if arms.steps >= EPOCH_STEPS:
+        if arms.steps >= EPOCH_STEPS and arms.seconds >= self.epoch_seconds:
             arms.close_epoch()
 
     def state(self) -> dict:

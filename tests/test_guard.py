@@ -11,7 +11,7 @@ import pytest
 from engine.sampling import SamplingParams
 from engine.stopping import StopChecker
 from scheduler.adaptive import AdaptiveDepthPolicy
-from scheduler.guard import EPOCH_STEPS, FREE, HELD, MAX_EXPLORE_GAP, DraftingGuard
+from scheduler.guard import CLEAR_WIN, EPOCH_STEPS, FREE, HELD, MAX_EXPLORE_GAP, DraftingGuard
 from scheduler.plan import RowOutcome, StepResult
 from scheduler.request import Request
 
@@ -47,7 +47,7 @@ def epochs(arms: list[bool]) -> list[str]:
 
 def test_drafting_that_loses_whole_loop_time_is_held_off_and_rarely_retried():
     clock = Clock()
-    guard = DraftingGuard(clock)
+    guard = DraftingGuard(clock, epoch_seconds=0.0)
     # Drafting commits 5% more tokens a step but each step takes 15% longer: a loss the
     # controller's own models may miss (its planning, a lost lookahead).
     arms = play(guard, clock, 8, free=(1.05, 0.0115), held=(1.0, 0.0100), steps=EPOCH_STEPS * 60)
@@ -63,7 +63,7 @@ def test_drafting_that_loses_whole_loop_time_is_held_off_and_rarely_retried():
 
 def test_drafting_that_wins_narrowly_stays_on_and_plain_is_only_re_measured():
     clock = Clock()
-    guard = DraftingGuard(clock)
+    guard = DraftingGuard(clock, epoch_seconds=0.0)
     arms = play(guard, clock, 8, free=(1.25, 0.0110), held=(1.0, 0.0100), steps=EPOCH_STEPS * 40)
     seen = epochs(arms)
     assert seen[:3] == [FREE, HELD, FREE]  # 1.14 against 1.0
@@ -73,14 +73,14 @@ def test_drafting_that_wins_narrowly_stays_on_and_plain_is_only_re_measured():
 
 def test_drafting_that_wins_clearly_never_spends_an_epoch_held():
     clock = Clock()
-    guard = DraftingGuard(clock)
+    guard = DraftingGuard(clock, epoch_seconds=0.0)
     arms = play(guard, clock, 1, free=(2.0, 0.0140), held=(1.0, 0.0100), steps=EPOCH_STEPS * 40)
     assert all(arms)
 
 
 def test_a_workload_that_turns_profitable_is_noticed():
     clock = Clock()
-    guard = DraftingGuard(clock)
+    guard = DraftingGuard(clock, epoch_seconds=0.0)
     play(guard, clock, 8, free=(1.0, 0.012), held=(1.0, 0.010), steps=EPOCH_STEPS * 12)
     assert not guard.allows_drafting(8)
     arms = play(guard, clock, 8, free=(2.0, 0.012), held=(1.0, 0.010), steps=EPOCH_STEPS * 40)
@@ -89,7 +89,7 @@ def test_a_workload_that_turns_profitable_is_noticed():
 
 def test_prefill_steps_joins_and_idle_gaps_are_not_measured():
     clock = Clock()
-    guard = DraftingGuard(clock)
+    guard = DraftingGuard(clock, epoch_seconds=0.0)
     guard.observe(8, 8, PLAIN, clean=True)
     for _ in range(EPOCH_STEPS * 3):
         clock.now += 0.5  # a prefill step's time, or an engine that waited for work
@@ -100,9 +100,18 @@ def test_prefill_steps_joins_and_idle_gaps_are_not_measured():
     assert guard.allows_drafting(8)
 
 
+def test_an_epoch_lasts_long_enough_to_be_more_than_one_stall():
+    clock = Clock()
+    guard = DraftingGuard(clock)  # the default: at least 0.4 s an epoch
+    arms = play(guard, clock, 1, free=(1.0, 0.010), held=(1.0, 0.010), steps=39)
+    assert all(arms) and guard.arms[0].steps == 39  # 0.39 s: still the first epoch
+    play(guard, clock, 1, free=(1.0, 0.010), held=(1.0, 0.010), steps=2)
+    assert not guard.allows_drafting(1)  # closed: plain is measured next
+
+
 def test_each_batch_size_octave_has_its_own_verdict():
     clock = Clock()
-    guard = DraftingGuard(clock)
+    guard = DraftingGuard(clock, epoch_seconds=0.0)
     play(guard, clock, 8, free=(1.0, 0.012), held=(1.0, 0.010), steps=EPOCH_STEPS * 8)
     play(guard, clock, 1, free=(2.0, 0.012), held=(1.0, 0.010), steps=EPOCH_STEPS * 8)
     assert not guard.allows_drafting(8) and not guard.allows_drafting(15)
@@ -117,7 +126,7 @@ def _request(i: int) -> Request:
 
 def test_a_held_batch_size_parks_the_controller_and_lets_the_runner_look_ahead():
     clock = Clock()
-    guard = DraftingGuard(clock)
+    guard = DraftingGuard(clock, epoch_seconds=0.0)
     policy = AdaptiveDepthPolicy(guard=guard)
     requests = [_request(i) for i in range(8)]
     policy.seed([(8, 1, 0.010), (8, 2, 0.0105), (8, 4, 0.011), (8, 8, 0.012)])  # cheap drafts
@@ -138,7 +147,7 @@ def test_a_held_batch_size_parks_the_controller_and_lets_the_runner_look_ahead()
 
 def test_the_policy_feeds_the_guard_clean_steps_only():
     clock = Clock()
-    guard = DraftingGuard(clock)
+    guard = DraftingGuard(clock, epoch_seconds=0.0)
     policy = AdaptiveDepthPolicy(guard=guard)
     outcomes = {f"r{i}": RowOutcome([5], 0, 0) for i in range(4)}
     for prefill in (0, 0, 300, 0):
@@ -151,8 +160,9 @@ def test_the_policy_feeds_the_guard_clean_steps_only():
 
 @pytest.mark.asyncio
 async def test_in_the_engine_the_guard_measures_both_arms_and_output_stays_exact():
-    """The bundled pair at 8 clients, greedy: the guard runs (both arms measured at batch
-    8) and every request's tokens equal drafting off's."""
+    """The bundled pair at 8 clients, greedy: the guard runs (drafting measured at batch 8,
+    and held decoding unless drafting won clearly) and every request's tokens equal drafting
+    off's."""
     from engine import AsyncEngine, EngineConfig
     from engine.bundled.pair import bundled_paths
     from engine.bundled.workloads import load_workloads
@@ -177,5 +187,5 @@ async def test_in_the_engine_the_guard_measures_both_arms_and_output_stays_exact
     guarded, engine = await run(EngineConfig(target=target, drafter=drafter, prefix_cache_bytes=0))
     assert guarded == plain
     arms = engine._policy.guard.arms[DraftingGuard.bucket(8)]
-    assert set(arms.speed) == {FREE, HELD}
+    assert FREE in arms.speed and (HELD in arms.speed or arms.speed[FREE] >= CLEAR_WIN)
     assert all(0.2 < speed < 5.0 for speed in arms.speed.values())

@@ -345,16 +345,16 @@ class AdaptiveDepthPolicy:
         self.parked_reasons = {}
         self._steps += 1
         self._last_batch = max(1, len(requests))
-        caps = {r.request_id: self._caps(r, options[r.request_id]) for r in requests}
-        self._usable = {s for cap in caps.values() for s in cap}
-        max_depth = max((c for cap in caps.values() for c in cap.values()), default=0)
         batch = len(requests)
-        if max_depth and self._held(batch):
+        if self._held(batch):  # before any per-row work: a held step asks nothing of rows
             self.last_sources = {}
             self.last_choice = {"width": 0, "positions": 0, "exploring": False,
                                 "reason": "measured_slower"}  # fmt: skip
             self.parked_reasons = dict.fromkeys((r.request_id for r in requests), "measured_slower")
             return {r.request_id: 0 for r in requests}, {}
+        caps = {r.request_id: self._caps(r, options[r.request_id]) for r in requests}
+        self._usable = {s for cap in caps.values() for s in cap}
+        max_depth = max((c for cap in caps.values() for c in cap.values()), default=0)
         # Drafting is judged against the plain step of this batch size: measure that first
         # (one plain step). Else, with drafts chosen from the first step at a new size, the
         # plain cost is never seen, only guessed (at 32 clients, guessed 3x too high).

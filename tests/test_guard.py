@@ -4,9 +4,8 @@ test runs it inside the engine on the bundled pair."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
+from test_engine import run_all
 
 from engine.sampling import SamplingParams
 from engine.stopping import StopChecker
@@ -168,19 +167,14 @@ async def test_in_the_engine_the_guard_measures_both_arms_and_output_stays_exact
     from engine.bundled.workloads import load_workloads
 
     target, drafter = (str(p) for p in bundled_paths())
-    prompts = load_workloads()["prose"][:8]
-    params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+    requests = [
+        (f"p{i}", text, 96, None, 0.0) for i, text in enumerate(load_workloads()["prose"][:8])
+    ]
 
     async def run(config: EngineConfig) -> tuple[list[list[int]], AsyncEngine]:
         async with AsyncEngine(config) as engine:
-
-            async def one(prompt: str) -> list[int]:
-                tokens: list[int] = []
-                async for out in engine.generate(prompt, params):
-                    tokens += out.token_ids
-                return tokens
-
-            return list(await asyncio.gather(*[one(p) for p in prompts])), engine
+            results = await run_all(engine, requests, temperature=0.0)
+            return [tokens for tokens, _ in results], engine
 
     plain, _ = await run(EngineConfig(target=target, num_speculative_tokens=0, draft_sources=[],
                                       prefix_cache_bytes=0))  # fmt: skip

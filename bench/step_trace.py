@@ -2,9 +2,10 @@
 
     python bench/step_trace.py --target bundled --policy adaptive [--requests 64] [--trace]
 
-Runs `--requests` completion prompts (the `bench serve` load: raw-code prompts, 32 in flight,
-64 tokens each, greedy) through one `AsyncEngine` after a two-request warm-up, and prints the
-wall time and, per kind of step (plain or drafting, with or without a prefill chunk), the
+Runs `--requests` prompts of a workload (default: the `bench serve` load, raw-code completion
+prompts, 32 in flight, 64 tokens each, greedy) through one `AsyncEngine` after a two-request
+warm-up, and prints the wall time, the time between steps (the event loop's share), and, per
+kind of step (plain or drafting, with or without a prefill chunk), the
 steps' count, total and median seconds, mean batch, prefill tokens and verify positions.
 `--trace` prints every step: batch, verify positions, lookup and DFlash rows, prefill tokens,
 committed tokens, the forward's time and the controller's prediction of it.
@@ -32,8 +33,8 @@ def _kind(result) -> str:
 async def run(args: argparse.Namespace) -> None:
     from bench.suite import workload_texts
 
-    texts = workload_texts("completion")
-    config = EngineConfig(target=args.target)
+    texts = workload_texts(args.workload)
+    config = EngineConfig(target=args.target, drafting_guard=args.policy != "unguarded")
     if args.policy == "off":
         config = EngineConfig(target=args.target, num_speculative_tokens=0, draft_sources=[])
     async with AsyncEngine(config) as eng:
@@ -42,7 +43,8 @@ async def run(args: argparse.Namespace) -> None:
         if args.trace:
             eng.step_hooks.append(lambda r: print(_trace_line(r, eng)))
         gate = asyncio.Semaphore(args.concurrency)
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                ignore_eos=True)
 
         async def one(i: int) -> None:
             async with gate:
@@ -53,7 +55,9 @@ async def run(args: argparse.Namespace) -> None:
         steps.clear()
         started = time.perf_counter()
         await asyncio.gather(*[one(i) for i in range(args.requests)])
-        print(f"wall {time.perf_counter() - started:.2f} s, {len(steps)} steps")
+        wall = time.perf_counter() - started
+        inside = sum(r.step_seconds for r in steps)
+        print(f"wall {wall:.2f} s, {len(steps)} steps, {wall - inside:.2f} s between steps")
         kinds = collections.defaultdict(list)
         for result in steps:
             kinds[_kind(result)].append(result)
@@ -81,7 +85,9 @@ def _trace_line(result, eng) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="bundled")
-    parser.add_argument("--policy", choices=["adaptive", "off"], default="adaptive")
+    parser.add_argument("--policy", choices=["adaptive", "unguarded", "off"], default="adaptive")
+    parser.add_argument("--workload", default="completion", help="completion, editing, prose")
+    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)

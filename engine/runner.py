@@ -42,7 +42,7 @@ from engine.blas_threads import blas_threads
 from engine.kv_cache import RaggedKVCache
 from engine.packed import PackedLayout, PrefillSegment
 from engine.prefix_cache import PrefixEntry, PrefixSave
-from engine.sampling import SamplingParams, request_key, sample
+from engine.sampling import SamplingParams, request_key, sample, sample_rows
 from engine.target import TargetAdapter
 from scheduler.plan import Admission, PrefillChunk, RowOutcome, StepPlan, StepResult
 from scheduler.sources import DFLASH, LOOKUP
@@ -570,13 +570,10 @@ class ModelRunner:
         logits, features = self.packed(tokens, layout, self.cache, packed_segments)
         self._segment_outputs(segments, layout.total, logits, features)
         logits = logits[: layout.total] if segments else logits
-        if all(s.params.greedy for s in states):
-            packed_targets = mx.argmax(logits, axis=-1).astype(mx.int32)
-        else:  # each row samples only its own positions, with its own sampler and key
-            packed_targets = mx.concatenate([
-                sample(logits[layout.starts[b] : layout.starts[b] + w], s.params, s.next_key())
-                for b, (s, w) in enumerate(zip(states, layout.widths))
-            ])  # fmt: skip
+        # Each row samples only its own positions, with its own sampler and key.
+        packed_targets = sample_rows(
+            logits, [s.params for s in states], [s.next_key() for s in states], layout.widths
+        )
         by_row = mx.array(layout.padded_index(list(range(B)), 0, width + 1), dtype=mx.int32)
         targets = packed_targets[by_row].reshape(B, width + 1)
         if drafts is None:
@@ -644,10 +641,9 @@ class ModelRunner:
 
     def _sample_rows(self, logits: mx.array, states: list[_RowState]) -> mx.array:
         """Every verify row sampled with its request's own sampler: [B, W, V] -> [B, W]."""
-        if all(s.params.greedy for s in states):
-            return mx.argmax(logits, axis=-1).astype(mx.int32)
-        rows = [sample(logits[i], s.params, s.next_key()) for i, s in enumerate(states)]
-        return mx.stack(rows)
+        B, W, V = logits.shape
+        params, keys = [s.params for s in states], [s.next_key() for s in states]
+        return sample_rows(logits.reshape(B * W, V), params, keys, [W] * B).reshape(B, W)
 
     def _commit(self, decode: _Decode, result: StepResult) -> None:
         targets = decode.targets.tolist()

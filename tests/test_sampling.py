@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from engine import InvalidRequest, SamplingParams
-from engine.sampling import filtered_logprobs, request_key, sample
+from engine.sampling import filtered_logprobs, request_key, sample, sample_rows
 
 
 @pytest.mark.parametrize(
@@ -60,3 +60,50 @@ def test_sampling_follows_the_distribution_and_seeds_reproduce():
     again = sample(logits, params, request_key(5))
     assert mx.array_equal(tokens, again)
     assert sample(LOGITS, SamplingParams(), None).item() == 0
+
+
+def _frequencies(tokens: mx.array, vocab: int) -> list[float]:
+    return [(tokens == i).sum().item() / tokens.size for i in range(vocab)]
+
+
+@pytest.mark.parametrize("filtered", [False, True], ids=["temperatures", "with-top-k"])
+def test_a_batch_samples_each_row_from_its_own_tempered_and_filtered_distribution(filtered):
+    """One `sample_rows` pass over rows of different temperatures, filters and widths draws
+    each row from its own distribution; greedy rows take the argmax. (Temperatures alone go
+    through one batched pass; a filtering row sends the batch row by row.)"""
+    n = 20_000
+    last = SamplingParams(temperature=2.0, top_k=3 if filtered else 0)
+    rows = [
+        (SamplingParams(temperature=1.0), n),
+        (SamplingParams(temperature=0.5), n),
+        (SamplingParams(), 3),  # greedy
+        (last, n),
+    ]
+    params = [p for p, _ in rows]
+    widths = [w for _, w in rows]
+    keys = [None if p.greedy else request_key(i) for i, p in enumerate(params)]
+    logits = mx.concatenate([mx.broadcast_to(LOGITS, (w, 5)) for w in widths])
+    tokens = sample_rows(logits, params, keys, widths)
+    starts = [0, n, 2 * n, 2 * n + 3]
+    for (p, w), start in zip(rows, starts):
+        mine = tokens[start : start + w]
+        if p.greedy:
+            assert mine.tolist() == [0] * w
+            continue
+        want = mx.exp(filtered_logprobs(LOGITS, p))[0].tolist()
+        for got, expected in zip(_frequencies(mine, 5), want):
+            assert abs(got - expected) < 0.015, (p, got, expected)
+
+
+def test_a_rows_draws_ignore_its_neighbours_and_filtered_tokens_are_never_drawn():
+    params = SamplingParams(temperature=1.0, top_p=0.7)  # keeps tokens 0 and 1 only
+    logits = mx.broadcast_to(LOGITS, (4000, 5))
+    alone = sample_rows(logits, [params], [request_key(9)], [4000])
+    assert set(alone.tolist()) == {0, 1}
+    other = SamplingParams(temperature=0.7)
+    noise = mx.random.normal((37, 5))
+    batched = sample_rows(
+        mx.concatenate([noise, logits]), [other, params], [request_key(1), request_key(9)],
+        [37, 4000],
+    )  # fmt: skip
+    assert mx.array_equal(batched[37:], alone)

@@ -5,7 +5,8 @@
 Admits `rows` held-out editing prompts of the chat mix into one `ModelRunner`, then interleaves,
 round after round, forwards over the same cache: a plain step (the stock forward, every row one
 position), the packed verify with one row verifying 1 + depth positions (depth 3; depth 1, a
-probe; depth 7) and the padded verify of depth 3 for every row. Each forward's own positions
+probe; depth 7; depth 0, the packed forward of a plain step; and depth 3 for every row) and
+the padded verify of depth 3 for every row. Each forward's own positions
 are rolled back, so every round sees the same cache. Prints median and best milliseconds and
 ratios to the plain step. `bench/packed_step.py` times whole engine steps with a DFlash drafter.
 """
@@ -24,6 +25,7 @@ import mlx.core as mx
 from bench.packed_step import _admit, print_ratio_table  # one prefill admits all
 from drafters.dflash.datagen import encode
 from drafters.lookup import LookupDrafter
+from engine import row_padding
 from engine.loading import load_pair
 from engine.packed import PackedLayout
 from engine.runner import ModelRunner
@@ -34,11 +36,15 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--row-padding", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
 
     from bench.suite import mix_prompts
 
     pair = load_pair(args.target, None)
+    if args.row_padding:  # as the engine does on the CPU backend (engine.row_padding)
+        padding = row_padding.measure(pair.target.hidden_size, pair.target.dtype)
+        row_padding.install(pair.target.model, padding)
     runner = ModelRunner(pair.target, None, lookup=LookupDrafter())  # lookup: packed verify on
     if runner.packed is None:
         raise SystemExit(f"{args.target}: no packed verify for this architecture")
@@ -59,9 +65,10 @@ def main() -> None:
         for c in cache:
             c.trim_rows(widths)
 
-    kinds = {"plain": lambda: stock(1)}
+    kinds = {"plain": lambda: stock(1), "plain, packed": lambda: packed([1] * B)}
     for depth in (3, 1, 7):
         kinds[f"1 row depth {depth}, packed"] = lambda d=depth: packed([1 + d] + [1] * (B - 1))
+    kinds["every row depth 3, packed"] = lambda: packed([4] * B)
     kinds["every row depth 3, padded"] = lambda: stock(4)
     seconds: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(args.rounds):

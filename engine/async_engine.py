@@ -145,7 +145,7 @@ class AsyncEngine:
         self._loop_task = asyncio.create_task(self._run(), name="flashbatch-scheduler")
 
     def _load(self) -> tuple[Any, Any]:
-        from engine import cpu_kernels
+        from engine import cpu_kernels, row_padding
         from engine.loading import load_pair
         from engine.platform import report_blas
         from engine.runner import ModelRunner
@@ -159,6 +159,16 @@ class AsyncEngine:
             log.info("CPU kernels (attention, SwiGLU): %s", reason or "on")
             if hasattr(getattr(pair.drafter, "model", None), "use_cpu_kernels"):
                 pair.drafter.model.use_cpu_kernels()
+        if self.config.row_padding and row_padding.wanted():
+            padding = row_padding.measure(pair.target.hidden_size, pair.target.dtype)
+            covered = row_padding.install(pair.target.model, padding)
+            if pair.drafter is not None and hasattr(pair.drafter, "model"):
+                covered += row_padding.install(pair.drafter.model, padding)
+            log.info(
+                "matmul row padding on %d layers: %s",
+                covered,
+                ", ".join(f"{a}->{b}" for a, b in padding.padded.items()) or "none gains",
+            )
         runner = ModelRunner(pair.target, pair.drafter, profile_phases=self.config.profile_phases,
                              lookup=self._lookup_drafter(sources),
                              packed_verify=self.config.packed_verify)  # fmt: skip

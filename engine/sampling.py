@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import secrets
-
 from collections.abc import Sequence
 
 import mlx.core as mx

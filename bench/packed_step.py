@@ -18,6 +18,7 @@ import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
 import argparse
 import statistics
 
+from engine import row_padding
 from engine.bundled.pair import bundled_paths
 from engine.loading import load_pair
 from engine.runner import ModelRunner
@@ -44,11 +45,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--workload", default="completion")
+    parser.add_argument("--row-padding", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
 
     from bench.engine_core import load_prompts
 
     pair = load_pair(args.target, args.drafter)
+    if args.row_padding:  # as the engine does on the CPU backend (engine.row_padding)
+        padding = row_padding.measure(pair.target.hidden_size, pair.target.dtype)
+        row_padding.install(pair.target.model, padding)
+        row_padding.install(pair.drafter.model, padding)
     runner = ModelRunner(pair.target, pair.drafter)
     prompts = load_prompts(pair.tokenizer, args.workload, args.rows)
     ids = _admit(runner, prompts)

@@ -135,44 +135,48 @@ def cell_prompts(
 
 
 # ----------------------------------------------------------------------------- engines
-# The adaptive controller without its "never slower" guard (`scheduler.guard`), to measure it.
-UNGUARDED = "adaptive-unguarded"
+@dataclass(frozen=True)
+class Policy:
+    """A flashbatch engine of the suite, parsed from `<depth>[@<sources>]`: `off`, a fixed
+    depth, `adaptive`, or `adaptive-unguarded` (the controller without its never-slower
+    guard, `scheduler.guard`, to measure it); sources `dflash`, `lookup` or `dflash+lookup`
+    (none: the engine's default, both with a DFlash drafter, else lookup)."""
 
+    depth: int | None  # None: adaptive
+    sources: list[str] | None
+    guarded: bool = True
+    label: str = "adaptive"  # the depth part as written: off, adaptive, ... or d=<n>
 
-def split_policy(policy: str) -> tuple[str, list[str] | None]:
-    """`<depth policy>[@<sources>]`: `adaptive@lookup`, `3@dflash`, `adaptive@dflash+lookup`;
-    no `@`: the engine's default sources (both with a DFlash drafter, else lookup)."""
-    from scheduler.sources import parse_sources
+    @classmethod
+    def parse(cls, policy: str) -> Policy:
+        from scheduler.sources import parse_sources
 
-    depth, _, sources = policy.partition("@")
-    if not sources:
-        return depth, None
-    try:
-        return depth, parse_sources(sources.replace("+", ","))
-    except ValueError as exc:
-        raise ValueError(f"bad policy {policy!r}: {exc}") from None
+        depth, _, named = policy.partition("@")
+        sources = None
+        if named:
+            try:
+                sources = parse_sources(named.replace("+", ","))
+            except ValueError as exc:
+                raise ValueError(f"bad policy {policy!r}: {exc}") from None
+        if depth in ("adaptive", "adaptive-unguarded"):
+            return cls(None, sources, depth == "adaptive", depth)
+        if depth == "off":
+            return cls(0, sources, True, "off")
+        fixed = int(depth)
+        if fixed < 0:
+            raise ValueError(f"bad policy {policy!r}: off, adaptive or a depth >= 0")
+        return cls(fixed, sources, True, f"d={fixed}")
+
+    @property
+    def name(self) -> str:
+        sources = self.sources
+        return f"flashbatch {self.label}" + (
+            f" {'+'.join(sources) or 'none'}" if sources is not None else ""
+        )
 
 
 def policy_depth(policy: str) -> int | None:
-    policy, _ = split_policy(policy)
-    if policy in ("adaptive", UNGUARDED):
-        return None
-    if policy == "off":
-        return 0
-    depth = int(policy)
-    if depth < 0:
-        raise ValueError(f"bad policy {policy!r}: off, adaptive or a depth >= 0")
-    return depth
-
-
-def policy_sources(policy: str) -> list[str] | None:
-    return split_policy(policy)[1]
-
-
-def policy_name(policy: str) -> str:
-    depth, sources = split_policy(policy)
-    name = "flashbatch " + (depth if depth in ("off", "adaptive", UNGUARDED) else f"d={depth}")
-    return name + (f" {'+'.join(sources) or 'none'}" if sources is not None else "")
+    return Policy.parse(policy).depth
 
 
 def _vocab_size(model: Any) -> int | None:
@@ -224,9 +228,9 @@ def build_engines(cfg: SuiteConfig) -> tuple[Any, list[BenchEngine]]:
                     "draft tokens per step, one request at a time")  # fmt: skip
             engines.append(UnavailableEngine(name, "mlx-lm", _error(exc), True, what))
     if "flashbatch" in cfg.engines:
-        for policy in cfg.policies:
-            depth, sources = policy_depth(policy), policy_sources(policy)
-            name = policy_name(policy)
+        for written in cfg.policies:
+            policy = Policy.parse(written)
+            depth, sources, name = policy.depth, policy.sources, policy.name
             if depth != 0 and not cfg.drafter and sources is not None and "dflash" in sources:
                 reason = "not available: no DFlash drafter (pass --drafter)"
                 what = f"AsyncEngine, {'adaptive' if depth is None else 'fixed'} draft depth"
@@ -239,7 +243,7 @@ def build_engines(cfg: SuiteConfig) -> tuple[Any, list[BenchEngine]]:
                 target=str(cfg.target), drafter=str(cfg.drafter) if cfg.drafter else None,
                 max_num_seqs=max(cfg.concurrency), max_waiting_requests=100_000,
                 num_speculative_tokens=depth, draft_sources=sources, prefix_cache_bytes=0,
-                drafting_guard=split_policy(policy)[0] != UNGUARDED,
+                drafting_guard=policy.guarded,
             )  # fmt: skip
             engines.append(FlashbatchEngine(name, config))
     return tokenizer, engines

@@ -328,6 +328,8 @@ class AdaptiveDepthPolicy:
         # The last choice's valuation (None: every token worth the same), for `wants_lookup`.
         self._value_of: Callable[[dict[str, float]], float] | None = None
         self._value_rows: set[str] = set()  # the rows it values
+        self._widening_key: tuple | None = None  # what `_widening`'s price was computed for
+        self._widening_price = (0.0, 0.0, 0.0)
         self.last_choice: dict = {}  # explainability: what was chosen and why
         self.last_sources: dict[str, str] = {}
 
@@ -645,15 +647,28 @@ class AdaptiveDepthPolicy:
         if self._held(self._last_batch):
             return False
         q = self.lookup_acceptance.estimate(request_id)[0]
-        batch = max(1, self._last_batch)
-        plain = self.cost.predict_plain(batch)
-        wider = self.cost.predict(batch, [1] + [0] * (batch - 1), drafting=False)
-        plain_value, gain = float(batch), q  # every token worth the same
+        plain, wider, valued_plain = self._widening()
+        plain_value, gain = float(max(1, self._last_batch)), q  # every token worth the same
         if self._value_of is not None and request_id in self._value_rows:
             one_each = dict.fromkeys(self._value_rows, 1.0)  # a plain step's tokens
-            plain_value = self._value_of(one_each)
+            plain_value = valued_plain
             gain = self._value_of({**one_each, request_id: 1.0 + q}) - plain_value
         return gain / plain_value > (wider - plain) / plain
+
+    def _widening(self) -> tuple[float, float, float]:
+        """(plain step seconds, seconds one position wider, a plain step's value under the
+        last choice's valuation) at the latest batch: the same for every row `wants_lookup` is
+        asked about, so priced once a step."""
+        key = (self._steps, self._last_batch, self.cost.samples, self._value_of)
+        if self._widening_key != key:
+            batch = max(1, self._last_batch)
+            plain = self.cost.predict_plain(batch)
+            wider = self.cost.predict(batch, [1] + [0] * (batch - 1), drafting=False)
+            plain_value = 0.0
+            if self._value_of is not None:
+                plain_value = self._value_of(dict.fromkeys(self._value_rows, 1.0))
+            self._widening_key, self._widening_price = key, (plain, wider, plain_value)
+        return self._widening_price
 
     def expects_plain_next(self) -> bool:
         """Parked now: the next step parks too unless a probe falls due (or the measured

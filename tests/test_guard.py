@@ -167,8 +167,10 @@ async def test_in_the_engine_the_guard_measures_both_arms_and_output_stays_exact
     from engine.bundled.workloads import load_workloads
 
     target, drafter = (str(p) for p in bundled_paths())
+    # Long enough for several epochs of 0.4 s at batch 8 on a fast machine and a slow one
+    # (96 tokens gave 3, and the held arm's first turn came too late once in CI).
     requests = [
-        (f"p{i}", text, 96, None, 0.0) for i, text in enumerate(load_workloads()["prose"][:8])
+        (f"p{i}", text, 192, None, 0.0) for i, text in enumerate(load_workloads()["prose"][:8])
     ]
 
     async def run(config: EngineConfig) -> tuple[list[list[int]], AsyncEngine]:

@@ -126,12 +126,14 @@ def _record_riding(engine) -> list:
 
 
 def _arrivals(vocab: int, seed: int) -> list:
-    """Requests arriving while others decode (long enough that earlier ones still decode when
-    later ones arrive, on a fast machine too), some with prompts longer than a chunk."""
+    """Requests arriving together, three times the engine's slots (`max_num_seqs=4`): the
+    later ones wait and join while others decode, whatever the machine's speed (arrivals
+    spread over time raced the steps: on a slow machine the queue never built). Some
+    prompts are longer than a chunk."""
     rng = random.Random(seed)
     return [
         (f"j{i}", [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))],
-         rng.randint(16, 32), None, 0.03 * i)
+         rng.randint(16, 32), None, 0.001 * i)
         for i in range(12)
     ]  # fmt: skip
 

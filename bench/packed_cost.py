@@ -43,8 +43,7 @@ def main() -> None:
 
     pair = load_pair(args.target, None)
     if args.row_padding:  # as the engine does on the CPU backend (engine.row_padding)
-        padding = row_padding.measure(pair.target.hidden_size, pair.target.dtype)
-        row_padding.install(pair.target.model, padding)
+        row_padding.pad_pair(pair.target, pair.drafter)
     runner = ModelRunner(pair.target, None, lookup=LookupDrafter())  # lookup: packed verify on
     if runner.packed is None:
         raise SystemExit(f"{args.target}: no packed verify for this architecture")

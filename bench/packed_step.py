@@ -52,9 +52,7 @@ def main() -> None:
 
     pair = load_pair(args.target, args.drafter)
     if args.row_padding:  # as the engine does on the CPU backend (engine.row_padding)
-        padding = row_padding.measure(pair.target.hidden_size, pair.target.dtype)
-        row_padding.install(pair.target.model, padding)
-        row_padding.install(pair.drafter.model, padding)
+        row_padding.pad_pair(pair.target, pair.drafter)
     runner = ModelRunner(pair.target, pair.drafter)
     prompts = load_prompts(pair.tokenizer, args.workload, args.rows)
     ids = _admit(runner, prompts)

@@ -160,15 +160,9 @@ class AsyncEngine:
             if hasattr(getattr(pair.drafter, "model", None), "use_cpu_kernels"):
                 pair.drafter.model.use_cpu_kernels()
         if self.config.row_padding and row_padding.wanted():
-            padding = row_padding.measure(pair.target.hidden_size, pair.target.dtype)
-            covered = row_padding.install(pair.target.model, padding)
-            if pair.drafter is not None and hasattr(pair.drafter, "model"):
-                covered += row_padding.install(pair.drafter.model, padding)
-            log.info(
-                "matmul row padding on %d layers: %s",
-                covered,
-                ", ".join(f"{a}->{b}" for a, b in padding.padded.items()) or "none gains",
-            )
+            padding = row_padding.pad_pair(pair.target, pair.drafter)
+            padded = ", ".join(f"{a}->{b}" for a, b in padding.padded.items())
+            log.info("matmul row padding: %s", padded or "no row count gains")
         runner = ModelRunner(pair.target, pair.drafter, profile_phases=self.config.profile_phases,
                              lookup=self._lookup_drafter(sources),
                              packed_verify=self.config.packed_verify)  # fmt: skip

@@ -137,3 +137,13 @@ def install(model: nn.Module, padding: RowPadding) -> int:
             module._flashbatch_rows = padding
             covered += 1
     return covered
+
+
+def pad_pair(target: Any, drafter: Any = None) -> RowPadding:
+    """Measure the table for `target` (a `TargetAdapter`) and install it on the target's model
+    and, when given, the drafter's (the engine on the CPU backend, and the step benchmarks)."""
+    padding = measure(target.hidden_size, target.dtype)
+    install(target.model, padding)
+    if drafter is not None and hasattr(drafter, "model"):
+        install(drafter.model, padding)
+    return padding

@@ -328,8 +328,6 @@ class AdaptiveDepthPolicy:
         # The last choice's valuation (None: every token worth the same), for `wants_lookup`.
         self._value_of: Callable[[dict[str, float]], float] | None = None
         self._value_rows: set[str] = set()  # the rows it values
-        self._widening_key: tuple | None = None  # what `_widening`'s price was computed for
-        self._widening_price = (0.0, 0.0, 0.0)
         self.last_choice: dict = {}  # explainability: what was chosen and why
         self.last_sources: dict[str, str] = {}
 
@@ -640,35 +638,33 @@ class AdaptiveDepthPolicy:
         return {r.request_id: 0 for r in requests}, {}
 
     def wants_lookup(self, request_id: str) -> bool:
-        """Would a lookup match for this request likely be drafted? (The runner skips a
-        lookahead plain step when such a row gets a match.) Judged for the row alone at
-        depth 1: the worth of its expected extra token against widening the latest batch's
-        verify."""
-        if self._held(self._last_batch):
-            return False
-        q = self.lookup_acceptance.estimate(request_id)[0]
-        plain, wider, valued_plain = self._widening()
-        plain_value, gain = float(max(1, self._last_batch)), q  # every token worth the same
-        if self._value_of is not None and request_id in self._value_rows:
-            one_each = dict.fromkeys(self._value_rows, 1.0)  # a plain step's tokens
-            plain_value = valued_plain
-            gain = self._value_of({**one_each, request_id: 1.0 + q}) - plain_value
-        return gain / plain_value > (wider - plain) / plain
+        """Would a lookup match for this request likely be drafted? (See `lookup_wanted`.)"""
+        return bool(self.lookup_wanted([request_id]))
 
-    def _widening(self) -> tuple[float, float, float]:
-        """(plain step seconds, seconds one position wider, a plain step's value under the
-        last choice's valuation) at the latest batch: the same for every row `wants_lookup` is
-        asked about, so priced once a step."""
-        key = (self._steps, self._last_batch, self.cost.samples, self._value_of)
-        if self._widening_key != key:
-            batch = max(1, self._last_batch)
-            plain = self.cost.predict_plain(batch)
-            wider = self.cost.predict(batch, [1] + [0] * (batch - 1), drafting=False)
-            plain_value = 0.0
-            if self._value_of is not None:
-                plain_value = self._value_of(dict.fromkeys(self._value_rows, 1.0))
-            self._widening_key, self._widening_price = key, (plain, wider, plain_value)
-        return self._widening_price
+    def lookup_wanted(self, request_ids: list[str]) -> set[str]:
+        """The requests whose lookup match would likely be drafted (the runner skips a
+        lookahead plain step when such a row gets a match). Each is judged alone at depth 1:
+        the worth of its expected extra token against widening the latest batch's verify,
+        a price the same for every row, so computed once."""
+        if self._held(self._last_batch):
+            return set()
+        batch = max(1, self._last_batch)
+        plain = self.cost.predict_plain(batch)
+        widening = (
+            self.cost.predict(batch, [1] + [0] * (batch - 1), drafting=False) - plain
+        ) / plain
+        one_each = dict.fromkeys(self._value_rows, 1.0)  # a plain step's tokens
+        valued_plain = self._value_of(one_each) if self._value_of is not None else 0.0
+        wanted = set()
+        for request_id in request_ids:
+            q = self.lookup_acceptance.estimate(request_id)[0]
+            plain_value, gain = float(batch), q  # every token worth the same
+            if self._value_of is not None and request_id in self._value_rows:
+                plain_value = valued_plain
+                gain = self._value_of({**one_each, request_id: 1.0 + q}) - plain_value
+            if gain / plain_value > widening:
+                wanted.add(request_id)
+        return wanted
 
     def expects_plain_next(self) -> bool:
         """Parked now: the next step parks too unless a probe falls due (or the measured

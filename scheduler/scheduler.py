@@ -231,14 +231,17 @@ class Scheduler:
         """Rows that would draft by lookup once they match (see `StepPlan.lookup_watch`)."""
         if LOOKUP not in self.sources:
             return set()
-        wants = getattr(self.policy, "wants_lookup", None)
-        return {
+        candidates = [
             r.request_id
             for r in self.running
             if LOOKUP in allowed_sources(r.params.draft_sources, self.sources)
             and r.params.num_speculative_tokens != 0
-            and (wants is None or wants(r.request_id))
-        }
+        ]
+        wanted = getattr(self.policy, "lookup_wanted", None)  # priced once for all rows
+        if wanted is not None:
+            return wanted(candidates)
+        wants = getattr(self.policy, "wants_lookup", None)
+        return {r for r in candidates if wants is None or wants(r)}
 
     def _expects_plain_next(self) -> bool:
         """After a plain step: will the next one be plain for every row too? (The runner

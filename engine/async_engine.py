@@ -66,9 +66,14 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-def _log_failure(future: Any) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.error("lookahead forward failed", exc_info=future.exception())
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Complete a step's future on the loop (unless the loop gave up waiting on it)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class AsyncEngine:
@@ -326,18 +331,16 @@ class AsyncEngine:
                     sum(a.prefix_tokens for a in plan.admissions),
                 )
             self._step_in_flight = True
+            done = loop.create_future()
             try:
-                result = await loop.run_in_executor(self._executor, self._runner.execute, plan)
+                self._executor.submit(self._execute_then_advance, plan, done, loop)
+                result = await done
             except Exception:
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all()
                 continue
             finally:
                 self._step_in_flight = False
-            if self._runner.lookahead_pending:
-                # The looked-ahead next step computes on the MLX thread while this one is
-                # handled (if it fails, the next step's sync fails the same way, handled there).
-                self._executor.submit(self._runner.advance).add_done_callback(_log_failure)
             self.step_count += 1
             self.last_result = result
             for request in scheduler.apply(result):
@@ -348,6 +351,28 @@ class AsyncEngine:
             self._record_queue()
             for hook in self.step_hooks:
                 hook(result)
+
+    def _execute_then_advance(
+        self, plan: Any, done: asyncio.Future, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        """On the MLX thread: run the step, hand its result to the loop, then compute the
+        looked-ahead next step (if any) while the loop handles that result.
+
+        One call, not two queued ones: a second job submitted by the loop would wait for the
+        GIL until the loop's own handling of the step (a few hundred microseconds to a few
+        milliseconds of Python) was done, so the two ran one after the other. Here the loop
+        wakes while this thread is inside `advance`, whose `mx.async_eval` releases the GIL."""
+        try:
+            result = self._runner.execute(plan)
+        except BaseException as exc:  # noqa: BLE001 (handed to the loop, which logs it)
+            loop.call_soon_threadsafe(_settle, done, None, exc)
+            return
+        loop.call_soon_threadsafe(_settle, done, result, None)
+        if self._runner.lookahead_pending:
+            try:
+                self._runner.advance()
+            except Exception:  # the next step's sync fails the same way and is handled there
+                log.exception("lookahead forward failed")
 
     def _fail_all(self) -> None:
         for request_id in list(self.scheduler.requests):

@@ -67,8 +67,9 @@ def main() -> None:
     kinds = {"plain": lambda: stock(1), "plain, packed": lambda: packed([1] * B)}
     for depth in (3, 1, 7):
         kinds[f"1 row depth {depth}, packed"] = lambda d=depth: packed([1 + d] + [1] * (B - 1))
-    kinds["every row depth 3, packed"] = lambda: packed([4] * B)
-    kinds["every row depth 3, padded"] = lambda: stock(4)
+    for depth in (1, 3):
+        kinds[f"every row depth {depth}, packed"] = lambda d=depth: packed([1 + d] * B)
+        kinds[f"every row depth {depth}, padded"] = lambda d=depth: stock(1 + d)
     seconds: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(args.rounds):
         for name, forward in kinds.items():

@@ -6,12 +6,15 @@ everything that is per token (embedding, norms, q/k/v/o projections, MLP, LM hea
 attention sees the rows. It runs the model's own submodules and weights (mlx-lm ``llama``,
 ``qwen2``, ``qwen3``), so no weights are copied or converted.
 
-Attention (chosen by measurement on the 2-core CPU, see the README): each row's new K/V are
-written into its own `RaggedKVCache` slot at its own offset, and one SDPA runs over the
-``[B, heads, widest, T]`` layout with a per-row causal mask. Attention at decode sizes is
-bound by reading the cache, so its padded query rows cost next to nothing, while the per-token
-matmuls (the bulk of a step) follow N. RoPE runs on the packed ``[N, heads, 1, D]`` view with
-one position per token (`mx.fast.rope` takes a per-batch offset vector).
+Attention: each row's new K/V are written into its own `RaggedKVCache` slot at its own
+offset; RoPE runs on the packed ``[N, heads, 1, D]`` view with one position per token
+(`mx.fast.rope` takes a per-batch offset vector). The attention itself runs in one of two
+layouts, chosen per forward by `padded_attention_pays` (measured on the 2-core CPU,
+`bench/packed_attention.py`): *split* (every row's anchor in one ``[B, heads, 1, T]`` SDPA,
+the drafting rows' drafted positions in one more over just those rows' cache) when few rows
+draft, *padded* (one ``[B, heads, widest, T]`` SDPA, per-row causal mask) when many do. Both
+are exact; attention at decode sizes is bound by reading the cache, so a padded query row
+costs little next to a second pass over a drafting row's cache.
 
 `PackedLayout` is the one mapping between (row, verify position) and packed index; logits,
 features and samples come back packed ``[N, ...]`` and are read through it.
@@ -151,15 +154,39 @@ def row_attention(
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
+# Attention layouts (`PackedVerifier.attention`): chosen per forward, or forced (tests).
+AUTO, SPLIT, PADDED = "auto", "split", "padded"
+
+
+def padded_attention_pays(rows: int, drafting: int, width: int) -> bool:
+    """Whether one padded ``[rows, h, width, T]`` attention beats the split one for a verify
+    where `drafting` of `rows` rows draft (the widest verifying `width` positions).
+
+    The cost model, fitted to `bench/packed_attention.py` on the 2-core CPU (8 and 32 rows,
+    1-32 drafting, depths 1-7, context 300; it picked the faster layout, or one within 10%,
+    in every case): in units of reading one row's cache once, the padded layout adds about
+    0.3 x (width - 1) per row for its query rows, and the split one adds
+    1.5 + 0.65 x (width - 1) per drafting row (a second pass over that row's cache, its
+    gather, and its query rows). A lone probe stays split; a batch that mostly drafts pads."""
+    if drafting == 0:
+        return False
+    extra = width - 1
+    return rows * 0.3 * extra <= drafting * (1.5 + 0.65 * extra)
+
+
 class _Indices:
     """The layout's index arrays and masks, built once per forward and shared by every layer.
 
-    Attention runs in two groups (measured fastest on CPU, see the README): every row's
-    anchor in one [B, h, 1, T] SDPA over the cache as it lies (exactly the plain step's
-    attention), and the drafted positions of the drafting rows in one [S, h, widest - 1, T]
-    SDPA over just those rows' cache (a slice or a small gather)."""
+    Split attention runs in two groups: every row's anchor in one [B, h, 1, T] SDPA over the
+    cache as it lies (exactly the plain step's attention), and the drafted positions of the
+    drafting rows in one [S, h, widest - 1, T] SDPA over just those rows' cache (a slice or a
+    small gather). Padded attention runs every row's positions, padded to the widest, in one
+    [B, h, widest, T] SDPA (see `padded_attention_pays`)."""
 
-    def __init__(self, layout: PackedLayout, segments: tuple[PrefillSegment, ...] = ()) -> None:
+    def __init__(
+        self, layout: PackedLayout, segments: tuple[PrefillSegment, ...] = (),
+        attention: str = AUTO,
+    ) -> None:  # fmt: skip
         self.layout = layout
         B = layout.rows
         positions = layout.positions()
@@ -178,6 +205,18 @@ class _Indices:
         drafting = layout.drafting_rows
         self.draft_width = layout.max_width - 1
         self.drafting: slice | mx.array | None = None
+        # Padded attention: its [B * widest] outputs -> packed order, and its mask.
+        self.unpad: mx.array | None = None
+        padded = attention == PADDED or (
+            attention == AUTO and padded_attention_pays(B, len(drafting), layout.max_width)
+        )
+        if drafting and padded:
+            W = layout.max_width
+            self.padded_mask = verify_mask(list(layout.lengths), 0, W, self.key_length)
+            self.unpad = mx.array(
+                [b * W + i for b, w in enumerate(layout.widths) for i in range(w)], dtype=mx.int32
+            )
+            return
         pack = {layout.starts[b]: b for b in all_rows}  # anchor outputs come first
         if drafting:
             Wd = self.draft_width
@@ -225,6 +264,14 @@ def _attention(
     B = layout.rows
     cache.write(_heads(keys, idx.write, B), _heads(values, idx.write, B), list(layout.widths))
     cached_keys, cached_values = cache.fetch()
+    if idx.unpad is not None:  # padded: every row's positions in one attention
+        W = layout.max_width
+        out = row_attention(
+            _heads(queries, idx.write, B), cached_keys, cached_values, idx.padded_mask,
+            attn.scale, cpu,
+        )  # fmt: skip
+        out = out.transpose(0, 2, 1, 3).reshape(B * W, -1)[idx.unpad]
+        return _with_segments(attn, out, queries, keys, values, idx, segment_caches, cpu)
     outputs = [
         row_attention(
             _heads(queries, idx.anchors, B), cached_keys, cached_values, idx.anchor_mask,
@@ -239,7 +286,14 @@ def _attention(
         )  # fmt: skip
         outputs.append(drafted.transpose(0, 2, 1, 3).reshape(rows * idx.draft_width, -1))
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
-    out = out[idx.pack]
+    return _with_segments(attn, out[idx.pack], queries, keys, values, idx, segment_caches, cpu)
+
+
+def _with_segments(
+    attn: nn.Module, out: mx.array, queries: mx.array, keys: mx.array, values: mx.array,
+    idx: _Indices, segment_caches: list[RaggedKVCache], cpu: bool,
+) -> mx.array:  # fmt: skip
+    """The rows' attention outputs (packed order), then each prefill segment's, projected."""
     if idx.segments:
         out = mx.concatenate([out] + [
             _segment_attention(attn, queries, keys, values, span, segment_cache, cpu)
@@ -267,12 +321,15 @@ def _segment_attention(
 class PackedVerifier:
     """Packed verify forward of a supported target (see the module docstring)."""
 
-    def __init__(self, target: Any) -> None:
+    def __init__(self, target: Any, attention: str = AUTO) -> None:
         reason = packed_unsupported_reason(target.model, target._inner)
         if reason is not None:
             raise ValueError(f"packed verify unsupported: {reason}")
+        if attention not in (AUTO, SPLIT, PADDED):
+            raise ValueError(f"attention layout {attention!r}: one of auto, split, padded")
         self.target = target
         self._inner = target._inner
+        self.attention = attention  # auto: per forward (`padded_attention_pays`)
 
     def __call__(
         self, tokens: mx.array, layout: PackedLayout, cache: list[RaggedKVCache],
@@ -291,7 +348,7 @@ class PackedVerifier:
             raise ValueError("a prefill segment needs one one-row cache per layer")
         if tokens.shape[0] != layout.total + sum(len(s.tokens) for s in segments):
             raise ValueError("tokens must be the layout's positions, then the segments' tokens")
-        idx = _Indices(layout, tuple(segments))
+        idx = _Indices(layout, tuple(segments), self.attention)
         cpu = self.target.cpu_kernels  # its MLPs already run on them
         taps = set(self.target.layer_ids)
         tapped: list[mx.array] = []

@@ -74,11 +74,11 @@ def _prefilled(target: TargetAdapter, prompts: list[list[int]]) -> list[RaggedKV
     return cache
 
 
-def _packed(target: TargetAdapter, prompts, verify):
+def _packed(target: TargetAdapter, prompts, verify, attention: str = packed.AUTO):
     cache = _prefilled(target, prompts)
     layout = PackedLayout.build([len(v) for v in verify], [len(p) for p in prompts])
     tokens = mx.array([t for v in verify for t in v], dtype=mx.int32)
-    logits, features = PackedVerifier(target)(tokens, layout, cache)
+    logits, features = PackedVerifier(target, attention)(tokens, layout, cache)
     return layout, logits, features, cache
 
 
@@ -92,10 +92,11 @@ def _padded(target: TargetAdapter, prompts, verify):
     return logits, features, cache
 
 
-def _max_error(target: TargetAdapter, prompts, verify) -> float:
-    """Largest difference of the packed forward from the padded forward and from mlx-lm's
-    cache-free single-row forward, over every row's real positions (logits and features)."""
-    layout, logits, features, _ = _packed(target, prompts, verify)
+def _max_error(target: TargetAdapter, prompts, verify, attention: str = packed.AUTO) -> float:
+    """Largest difference of the packed forward (its attention in `attention`'s layout) from
+    the padded forward and from mlx-lm's cache-free single-row forward, over every row's real
+    positions (logits and features)."""
+    layout, logits, features, _ = _packed(target, prompts, verify, attention)
     padded_logits, padded_features, _ = _padded(target, prompts, verify)
     error = 0.0
     for b, (prompt, tokens) in enumerate(zip(prompts, verify)):
@@ -112,10 +113,23 @@ def _max_error(target: TargetAdapter, prompts, verify) -> float:
     return error
 
 
+@pytest.mark.parametrize("attention", [packed.SPLIT, packed.PADDED])
 @pytest.mark.parametrize("depths", [[0, 3, 1, 0, 7, 2], [3] + [0] * 7, [2, 2, 5], [0, 0, 0, 0]])
-def test_packed_logits_equal_padded_and_single_row(target, depths):
+def test_packed_logits_equal_padded_and_single_row(target, depths, attention):
     prompts, verify = _batch(target, seed=len(depths), depths=depths)
-    assert _max_error(target, prompts, verify) < TOLERANCE
+    assert _max_error(target, prompts, verify, attention) < TOLERANCE
+
+
+def test_attention_layout_pads_when_many_rows_draft():
+    """The measured rule: a lone drafting row (a probe) stays split, a batch that mostly
+    drafts pads, and a plain step never pads."""
+    assert not packed.padded_attention_pays(32, 1, 4)
+    assert not packed.padded_attention_pays(8, 1, 8)
+    assert packed.padded_attention_pays(8, 8, 2) and packed.padded_attention_pays(32, 16, 4)
+    assert packed.padded_attention_pays(32, 32, 8)
+    assert not packed.padded_attention_pays(8, 0, 1)
+    with pytest.raises(ValueError):
+        PackedVerifier(TargetAdapter(_tiny_model("qwen3", seed=7), [0]), "sideways")
 
 
 def test_packed_forward_leaves_each_row_cache_as_the_padded_one(target):
@@ -164,19 +178,21 @@ def _sees_later_positions(lengths, first, width, key_length):
     )
 
 
+@pytest.mark.parametrize("attention", [packed.SPLIT, packed.PADDED])
 @pytest.mark.parametrize("cpu", [False, True])
 @pytest.mark.parametrize("broken", ["row_attention", "verify_mask"])
-def test_a_broken_row_boundary_fails_the_equality_check(monkeypatch, broken, cpu):
+def test_a_broken_row_boundary_fails_the_equality_check(monkeypatch, broken, cpu, attention):
     """Mutation test: the equality check above catches attention across rows and attention to
-    later verify positions (so it is not vacuous), with MLX's attention and the CPU kernels."""
+    later verify positions (so it is not vacuous), with MLX's attention and the CPU kernels,
+    in both attention layouts."""
     target = TargetAdapter(_tiny_model("qwen3", seed=7), [0, 2])
     if cpu:
         assert target.use_cpu_kernels() is None
     prompts, verify = _batch(target, seed=6, depths=[0, 3, 1, 0, 7, 2])
-    assert _max_error(target, prompts, verify) < TOLERANCE
+    assert _max_error(target, prompts, verify, attention) < TOLERANCE
     variant = _rows_mixed if broken == "row_attention" else _sees_later_positions
     monkeypatch.setattr(packed, broken, variant)
-    assert _max_error(target, prompts, verify) > 100 * TOLERANCE
+    assert _max_error(target, prompts, verify, attention) > 100 * TOLERANCE
 
 
 def test_other_models_fall_back_to_the_padded_forward_with_a_reason(caplog):
@@ -209,7 +225,7 @@ def _segment_case(target: TargetAdapter, seed: int):
     return prompts, verify, chunks
 
 
-def _segments_forward(target: TargetAdapter, prompts, verify, chunks):
+def _segments_forward(target: TargetAdapter, prompts, verify, chunks, attention=packed.AUTO):
     cache = _prefilled(target, prompts)
     layout = PackedLayout.build([len(v) for v in verify], [len(p) for p in prompts])
     segments = []
@@ -219,15 +235,18 @@ def _segments_forward(target: TargetAdapter, prompts, verify, chunks):
             target(mx.array([prompt[:cached]]), own)
         segments.append(packed.PrefillSegment(prompt[cached:], own))
     tokens = [t for v in verify for t in v] + [t for s in segments for t in s.tokens]
-    logits, features = PackedVerifier(target)(mx.array(tokens, dtype=mx.int32), layout, cache,
-                                              tuple(segments))  # fmt: skip
+    logits, features = PackedVerifier(target, attention)(
+        mx.array(tokens, dtype=mx.int32), layout, cache, tuple(segments)
+    )
     return layout, segments, logits, features
 
 
-def _segments_error(target: TargetAdapter, seed: int) -> float:
+def _segments_error(target: TargetAdapter, seed: int, attention: str = packed.AUTO) -> float:
     """Largest difference, over rows and segments, from each sequence's forward alone."""
     prompts, verify, chunks = _segment_case(target, seed)
-    layout, segments, logits, features = _segments_forward(target, prompts, verify, chunks)
+    layout, segments, logits, features = _segments_forward(
+        target, prompts, verify, chunks, attention
+    )
     error = 0.0
     for b, (prompt, tokens) in enumerate(zip(prompts, verify)):
         w, rows = len(tokens), slice(layout.starts[b], layout.starts[b] + len(tokens))
@@ -253,11 +272,12 @@ def _segments_error(target: TargetAdapter, seed: int) -> float:
     return error
 
 
-def test_prefill_segments_in_the_packed_forward_equal_each_sequence_alone(target):
+@pytest.mark.parametrize("attention", [packed.SPLIT, packed.PADDED])
+def test_prefill_segments_in_the_packed_forward_equal_each_sequence_alone(target, attention):
     """Rows of mixed depths and prefill chunks (whole, continued, one token) in one forward:
     the rows' outputs are unchanged by the segments, each segment's last logits and every
     feature equal mlx-lm's forward of that sequence alone, and its cache equals a prefill's."""
-    assert _segments_error(target, seed=3) < TOLERANCE
+    assert _segments_error(target, seed=3, attention=attention) < TOLERANCE
 
 
 def _segment_sees_everything(queries, keys, values, mask, scale, cpu=False):

@@ -282,6 +282,45 @@ async def test_lookahead_used_and_discarded_keeps_outputs_exact(qwen3_target_dir
     assert sampled[True] == sampled[False]
 
 
+async def test_the_loop_handles_a_step_while_its_lookahead_computes(qwen3_target_dir):
+    """A step's result reaches the loop before the MLX thread evaluates the step looked
+    ahead after it: each lookahead's evaluation here waits until the loop has handled the
+    step just executed (its step hook ran). Were the result held back until the lookahead
+    was computed, that wait would time out. Output stays plain greedy decoding."""
+    import threading
+
+    model, _ = load_target_model(qwen3_target_dir)
+    prompt = [5, 17, 99, 3]
+    config = EngineConfig(target=str(qwen3_target_dir), num_speculative_tokens=0)
+    async with AsyncEngine(config) as engine:
+        runner, counts, waits = engine._runner, {"executed": 0, "handled": 0}, []
+        changed = threading.Condition()
+        original_execute, original_advance = runner.execute, runner.advance
+
+        def execute(plan):  # on the MLX thread
+            result = original_execute(plan)
+            counts["executed"] += 1
+            return result
+
+        def advance() -> None:  # on the MLX thread, after `execute`
+            if runner.lookahead_pending:
+                with changed:
+                    caught_up = lambda: counts["handled"] >= counts["executed"]  # noqa: E731
+                    waits.append(changed.wait_for(caught_up, timeout=5))
+            original_advance()
+
+        def handled(result) -> None:  # on the loop
+            with changed:
+                counts["handled"] += 1
+                changed.notify_all()
+
+        runner.execute, runner.advance = execute, advance
+        engine.step_hooks.append(handled)
+        ((tokens, _),) = await run_all(engine, [("a", prompt, 16, None, 0)])
+    assert tokens == plain_greedy(model, prompt, 16)
+    assert len(waits) >= 8 and all(waits), waits
+
+
 async def test_whole_prompts_prefilled_together_match_prefilling_alone(
     qwen3_target_dir, drafter_dir, vocab_size
 ):

@@ -147,29 +147,34 @@ def sample_rows(
     greedy = [p.greedy for p in params]
     if all(greedy):
         return mx.argmax(logits, axis=-1).astype(mx.int32)
-    uniforms = mx.concatenate([
-        mx.zeros((w,)) if g else mx.random.uniform(shape=(w,), key=k)
-        for g, k, w in zip(greedy, keys, widths)
-    ])  # fmt: skip
-    if any(_filters(p) for p in params if not p.greedy):  # per request: filters differ
+    if any(greedy):
+        # Greedy positions take the argmax; only the sampled ones pay for the weights (a
+        # vocabulary-wide exp and running sum each), drawn as a batch of their own.
+        starts = [sum(widths[:b]) for b in range(len(widths))]
+        sampled = [b for b, g in enumerate(greedy) if not g]
+        index = mx.array([starts[b] + i for b in sampled for i in range(widths[b])], dtype=mx.int32)
+        drawn = sample_rows(
+            logits[index], [params[b] for b in sampled], [keys[b] for b in sampled],
+            [widths[b] for b in sampled],
+        )  # fmt: skip
+        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        tokens[index] = drawn
+        return tokens
+    uniforms = mx.concatenate([mx.random.uniform(shape=(w,), key=k) for k, w in zip(keys, widths)])
+    if any(_filters(p) for p in params):  # per request: filters differ
         parts, start = [], 0
         for p, w in zip(params, widths):
-            rows = logits[start : start + w]
-            parts.append(_weights(rows, 1.0) if p.greedy else _filtered_weights(rows, p))
+            parts.append(_filtered_weights(logits[start : start + w], p))
             start += w
         weights = mx.concatenate(parts)
     else:  # temperature only: the whole batch in one pass
-        inverse = [1.0 if p.greedy else 1.0 / p.temperature for p in params]
+        inverse = [1.0 / p.temperature for p in params]
         if len(set(inverse)) == 1:
             weights = _weights(logits, inverse[0])
         else:
             scale = [t for t, w in zip(inverse, widths) for _ in range(w)]
             weights = _weights(logits, mx.array(scale)[:, None])
-    drawn = _inverse_cdf(weights, uniforms)
-    if any(greedy):
-        mask = mx.array([g for g, w in zip(greedy, widths) for _ in range(w)])
-        drawn = mx.where(mask, mx.argmax(logits, axis=-1).astype(mx.int32), drawn)
-    return drawn
+    return _inverse_cdf(weights, uniforms)
 
 
 def _filters(params: SamplingParams) -> bool:

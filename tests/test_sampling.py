@@ -82,13 +82,16 @@ def test_a_batch_samples_each_row_from_its_own_tempered_and_filtered_distributio
     params = [p for p, _ in rows]
     widths = [w for _, w in rows]
     keys = [None if p.greedy else request_key(i) for i, p in enumerate(params)]
-    logits = mx.concatenate([mx.broadcast_to(LOGITS, (w, 5)) for w in widths])
+    # The greedy row's logits reversed, so its argmax (token 4) is nobody else's likeliest.
+    logits = mx.concatenate([
+        mx.broadcast_to(LOGITS[:, ::-1] if p.greedy else LOGITS, (w, 5)) for p, w in rows
+    ])  # fmt: skip
     tokens = sample_rows(logits, params, keys, widths)
     starts = [0, n, 2 * n, 2 * n + 3]
     for (p, w), start in zip(rows, starts):
         mine = tokens[start : start + w]
         if p.greedy:
-            assert mine.tolist() == [0] * w
+            assert mine.tolist() == [4] * w
             continue
         want = mx.exp(filtered_logprobs(LOGITS, p))[0].tolist()
         for got, expected in zip(_frequencies(mine, 5), want):

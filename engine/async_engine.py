@@ -377,7 +377,7 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 (handed to the loop, which logs it)
             loop.call_soon_threadsafe(_settle, done, None, exc)
             return
-        if not self._runner.lookahead_pending or self._notifier is None:
+        if not self._runner.lookahead_pending:
             loop.call_soon_threadsafe(_settle, done, result, None)
             return
         self._notifier.submit(loop.call_soon_threadsafe, _settle, done, result, None)

@@ -200,8 +200,6 @@ class _Indices:
         self.key_length = max(n + w for n, w in zip(layout.lengths, layout.widths))
         all_rows = list(range(B))
         self.write = mx.array(layout.padded_index(all_rows, 0, layout.max_width), dtype=mx.int32)
-        self.anchors = mx.array(layout.padded_index(all_rows, 0, 1), dtype=mx.int32)
-        self.anchor_mask = verify_mask(list(layout.lengths), 0, 1, self.key_length)
         drafting = layout.drafting_rows
         self.draft_width = layout.max_width - 1
         self.drafting: slice | mx.array | None = None
@@ -217,6 +215,8 @@ class _Indices:
                 [b * W + i for b, w in enumerate(layout.widths) for i in range(w)], dtype=mx.int32
             )
             return
+        self.anchors = mx.array(layout.padded_index(all_rows, 0, 1), dtype=mx.int32)
+        self.anchor_mask = verify_mask(list(layout.lengths), 0, 1, self.key_length)
         pack = {layout.starts[b]: b for b in all_rows}  # anchor outputs come first
         if drafting:
             Wd = self.draft_width

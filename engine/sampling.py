@@ -8,6 +8,7 @@ the sample, which keeps sampled output exactly distributed as plain sampling.
 
 from __future__ import annotations
 
+import itertools
 import math
 import secrets
 from collections.abc import Sequence
@@ -150,7 +151,7 @@ def sample_rows(
     if any(greedy):
         # Greedy positions take the argmax; only the sampled ones pay for the weights (a
         # vocabulary-wide exp and running sum each), drawn as a batch of their own.
-        starts = [sum(widths[:b]) for b in range(len(widths))]
+        starts = [0, *itertools.accumulate(widths)]
         sampled = [b for b, g in enumerate(greedy) if not g]
         index = mx.array([starts[b] + i for b in sampled for i in range(widths[b])], dtype=mx.int32)
         drawn = sample_rows(

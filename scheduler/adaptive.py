@@ -325,7 +325,7 @@ class AdaptiveDepthPolicy:
         self._active: set[str] = set()
         self._last_batch = 1
         self._waiting = 0  # requests queued behind the batch (the scheduler tells, each plan)
-        # The last choice's valuation (None: every token worth the same), for `wants_lookup`.
+        # The last choice's valuation (None: every token worth the same), for `lookup_wanted`.
         self._value_of: Callable[[dict[str, float]], float] | None = None
         self._value_rows: set[str] = set()  # the rows it values
         self.last_choice: dict = {}  # explainability: what was chosen and why

@@ -28,7 +28,8 @@ class DepthPolicy(Protocol):
     # Optional: ``choose_drafts(requests, options) -> (depths, sources)`` picks each row's draft
     # source too (`scheduler.sources.DraftOptions` per request id); without it the scheduler
     # asks `choose` and gives each drafting row lookup when it matches, else DFlash.
-    # Optional: ``wants_lookup(request_id) -> bool``: would a lookup match be drafted?
+    # Optional: ``lookup_wanted(request_ids) -> set``: those whose lookup match would likely
+    # be drafted (without it, all of them).
     # Optional: ``observe_queue(waiting: int)``: told before each choice how many requests wait
     # behind the batch (unadmitted).
 
@@ -56,5 +57,5 @@ class FixedDepthPolicy:
     def expects_plain_next(self) -> bool:
         return self.num_speculative_tokens == 0
 
-    def wants_lookup(self, request_id: str) -> bool:
-        return self.num_speculative_tokens != 0
+    def lookup_wanted(self, request_ids: list[str]) -> set[str]:
+        return set(request_ids) if self.num_speculative_tokens != 0 else set()

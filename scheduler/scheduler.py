@@ -238,10 +238,7 @@ class Scheduler:
             and r.params.num_speculative_tokens != 0
         ]
         wanted = getattr(self.policy, "lookup_wanted", None)  # priced once for all rows
-        if wanted is not None:
-            return wanted(candidates)
-        wants = getattr(self.policy, "wants_lookup", None)
-        return {r for r in candidates if wants is None or wants(r)}
+        return set(candidates) if wanted is None else wanted(candidates)
 
     def _expects_plain_next(self) -> bool:
         """After a plain step: will the next one be plain for every row too? (The runner

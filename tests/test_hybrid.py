@@ -318,7 +318,8 @@ async def test_seeded_sampling_is_unchanged_by_the_drafting_source(qwen3_target_
 
 
 class PlainPolicy:
-    """Never drafts and always expects a plain next step; `wants` answers `wants_lookup`."""
+    """Never drafts and always expects a plain next step; `wants` answers `lookup_wanted`
+    for every row."""
 
     def __init__(self, wants: bool) -> None:
         self.wants = wants
@@ -332,8 +333,8 @@ class PlainPolicy:
     def expects_plain_next(self) -> bool:
         return True
 
-    def wants_lookup(self, request_id: str) -> bool:
-        return self.wants
+    def lookup_wanted(self, request_ids: list[str]) -> set[str]:
+        return set(request_ids) if self.wants else set()
 
 
 async def test_no_lookahead_while_a_row_that_would_take_lookup_has_a_match(

@@ -143,7 +143,9 @@ async def test_mixed_sources_in_one_batch_equal_plain_greedy_and_skip_the_drafte
 async def test_all_lookup_rows_run_no_drafter_forward():
     pair = load_pair(TARGET, DRAFTER)
     prompts = copy_heavy_prompts(pair.tokenizer, 4)
-    config = EngineConfig(target=str(TARGET), drafter=str(DRAFTER), max_num_seqs=4)
+    # A fixed depth, so lookup surely drafts (an adaptive engine may park it on a loaded machine).
+    config = EngineConfig(target=str(TARGET), drafter=str(DRAFTER), max_num_seqs=4,
+                          num_speculative_tokens=4)  # fmt: skip
     async with AsyncEngine(config) as engine:
         drafter = engine._runner.drafter
         calls = []

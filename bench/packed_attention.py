@@ -6,6 +6,8 @@ One layer's attention (the bundled target's heads: 6 query, 2 KV, head size 64) 
 decoding rows whose KV caches hold `context` tokens, `drafting` of them verifying `depth`
 drafts. Compared, min of many repeats:
 
+Attention runs as the engine runs it on this backend (`engine.cpu_kernels` on the CPU).
+
 - padded: one SDPA over the [B, heads, 1 + depth, T] layout with a per-row causal mask;
 - split (what `engine.packed` runs): every row's anchor in one [B, heads, 1, T] SDPA over the
   cache as it lies, plus the drafted positions of the drafting rows in one
@@ -22,6 +24,9 @@ import argparse
 import time
 
 import mlx.core as mx
+
+from engine import cpu_kernels
+from engine.packed import row_attention
 
 HEADS, KV_HEADS, HEAD_DIM, CAPACITY_STEP = 6, 2, 64, 256
 
@@ -59,7 +64,11 @@ def main() -> None:
     draft_q = mx.random.normal((S, HEADS, d, HEAD_DIM))
     padded_mask, anchor_mask, draft_mask = mask(B, 0, 1 + d), mask(B, 0, 1), mask(S, 1, d)
     mx.eval(keys, values, padded_q, anchor_q, draft_q, padded_mask, anchor_mask, draft_mask)
-    sdpa, scale = mx.fast.scaled_dot_product_attention, HEAD_DIM**-0.5
+    scale, cpu = HEAD_DIM**-0.5, cpu_kernels.wanted()  # the attention the engine runs here
+
+    def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
+        return row_attention(q, k, v, mask, scale, cpu)
+
     rows = mx.arange(S)  # the drafting rows' cache, gathered (a slice when adjacent)
 
     def plain():

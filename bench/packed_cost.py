@@ -25,7 +25,7 @@ import mlx.core as mx
 from bench.packed_step import _admit, print_ratio_table  # one prefill admits all
 from drafters.dflash.datagen import encode
 from drafters.lookup import LookupDrafter
-from engine import row_padding
+from engine.backend_tuning import tune_for_backend
 from engine.loading import load_pair
 from engine.packed import PackedLayout
 from engine.runner import ModelRunner
@@ -42,8 +42,7 @@ def main() -> None:
     from bench.suite import mix_prompts
 
     pair = load_pair(args.target, None)
-    if args.row_padding:  # as the engine does on the CPU backend (engine.row_padding)
-        row_padding.pad_pair(pair.target, pair.drafter)
+    tune_for_backend(pair, row_padding=args.row_padding)  # what the engine runs on this backend
     runner = ModelRunner(pair.target, None, lookup=LookupDrafter())  # lookup: packed verify on
     if runner.packed is None:
         raise SystemExit(f"{args.target}: no packed verify for this architecture")

@@ -18,7 +18,7 @@ import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
 import argparse
 import statistics
 
-from engine import row_padding
+from engine.backend_tuning import tune_for_backend
 from engine.bundled.pair import bundled_paths
 from engine.loading import load_pair
 from engine.runner import ModelRunner
@@ -51,8 +51,7 @@ def main() -> None:
     from bench.engine_core import load_prompts
 
     pair = load_pair(args.target, args.drafter)
-    if args.row_padding:  # as the engine does on the CPU backend (engine.row_padding)
-        row_padding.pad_pair(pair.target, pair.drafter)
+    tune_for_backend(pair, row_padding=args.row_padding)  # what the engine runs on this backend
     runner = ModelRunner(pair.target, pair.drafter)
     prompts = load_prompts(pair.tokenizer, args.workload, args.rows)
     ids = _admit(runner, prompts)

@@ -153,7 +153,7 @@ class AsyncEngine:
         self._loop_task = asyncio.create_task(self._run(), name="flashbatch-scheduler")
 
     def _load(self) -> tuple[Any, Any]:
-        from engine import cpu_kernels, row_padding
+        from engine.backend_tuning import tune_for_backend
         from engine.loading import load_pair
         from engine.platform import report_blas
         from engine.runner import ModelRunner
@@ -162,15 +162,7 @@ class AsyncEngine:
         sources = self.config.served_sources()
         drafter = self.config.drafter if DFLASH in sources else None  # lookup only: no taps
         pair = load_pair(self.config.target, drafter)
-        if self.config.cpu_kernels and cpu_kernels.wanted():
-            reason = pair.target.use_cpu_kernels()
-            log.info("CPU kernels (attention, SwiGLU): %s", reason or "on")
-            if hasattr(getattr(pair.drafter, "model", None), "use_cpu_kernels"):
-                pair.drafter.model.use_cpu_kernels()
-        if self.config.row_padding and row_padding.wanted():
-            padding = row_padding.pad_pair(pair.target, pair.drafter)
-            padded = ", ".join(f"{a}->{b}" for a, b in padding.padded.items())
-            log.info("matmul row padding: %s", padded or "no row count gains")
+        tune_for_backend(pair, self.config.cpu_kernels, self.config.row_padding)
         runner = ModelRunner(pair.target, pair.drafter, profile_phases=self.config.profile_phases,
                              lookup=self._lookup_drafter(sources),
                              packed_verify=self.config.packed_verify)  # fmt: skip

@@ -162,16 +162,18 @@ def padded_attention_pays(rows: int, drafting: int, width: int) -> bool:
     """Whether one padded ``[rows, h, width, T]`` attention beats the split one for a verify
     where `drafting` of `rows` rows draft (the widest verifying `width` positions).
 
-    The cost model, fitted to `bench/packed_attention.py` on the 2-core CPU (8 and 32 rows,
-    1-32 drafting, depths 1-7, context 300; it picked the faster layout, or one within 10%,
-    in every case): in units of reading one row's cache once, the padded layout adds about
-    0.3 x (width - 1) per row for its query rows, and the split one adds
-    1.5 + 0.65 x (width - 1) per drafting row (a second pass over that row's cache, its
-    gather, and its query rows). A lone probe stays split; a batch that mostly drafts pads."""
+    The cost model, fitted to `bench/packed_attention.py` with the CPU kernels the engine runs
+    (2-core CPU; 8 and 32 rows, 1-32 drafting, depths 1, 3 and 7, contexts 150 and 600: it
+    picked the faster layout, or one within 10%, in 58 of 60 cases; the fit before, made on
+    MLX's stock attention, missed in 13): in units of reading one row's cache once, the
+    padded layout adds about 0.1 x (width - 1) per row for its query rows, and the split one
+    adds 1 + 0.65 x (width - 1) per drafting row (a second pass over that row's cache, its
+    gather, and its query rows). A lone probe in a large batch stays split; a batch where a
+    few rows draft shallowly pads."""
     if drafting == 0:
         return False
     extra = width - 1
-    return rows * 0.3 * extra <= drafting * (1.5 + 0.65 * extra)
+    return rows * 0.1 * extra <= drafting * (1.0 + 0.65 * extra)
 
 
 class _Indices:

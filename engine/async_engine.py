@@ -29,7 +29,7 @@ from engine.logprobs import TokenLogprob
 from engine.models.resolve import display_name
 from engine.prefix_cache import PrefixIndex
 from engine.sampling import SamplingParams
-from engine.stopping import StopChecker
+from engine.stopping import StopChecker, eos_ids_of
 from metrics import EngineMetrics
 from scheduler.adaptive import AdaptiveDepthPolicy
 from scheduler.depth import DepthPolicy, FixedDepthPolicy
@@ -255,8 +255,8 @@ class AsyncEngine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer")
         request_id = request_id or uuid.uuid4().hex
-        eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
-        request = Request(request_id, prompt_ids, params, StopChecker(params, eos, self.tokenizer))
+        stop = StopChecker(params, eos_ids_of(self.tokenizer), self.tokenizer)
+        request = Request(request_id, prompt_ids, params, stop)
         self.scheduler.add(request)
         self._record_queue()
         send, receive = anyio.create_memory_object_stream(math.inf)

@@ -16,19 +16,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine import cpu_kernels
-from engine.packed import ATTENTION_PARTS  # the structure the packed verify needs too
+from engine.packed import ATTENTION_PARTS, qkv_heads  # the structure the packed verify needs
 
 _classes: dict[tuple[type, str], type] = {}
 
 
 def _attention_call(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
     B, L, _ = x.shape
-    queries = self.q_proj(x).reshape(B, L, self.n_heads, -1)
-    keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
-    values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    if hasattr(self, "q_norm"):  # qwen3: per-head norms before RoPE
-        queries, keys = self.q_norm(queries), self.k_norm(keys)
-    queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+    queries, keys, values = qkv_heads(self, x, B, L)
     if cache is not None:
         queries = self.rope(queries, offset=cache.offset)
         keys = self.rope(keys, offset=cache.offset)

@@ -13,6 +13,7 @@ from drafters.dflash.config import validate_pairing
 from drafters.dflash.drafter import DFlashDrafter
 from engine.models.gguf_dtype import converted_gguf_dtype
 from engine.platform import compute_dtype
+from engine.stopping import eos_ids_of
 from engine.target import TargetAdapter, target_shape
 
 
@@ -26,7 +27,7 @@ class ModelPair:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        return set(getattr(self.tokenizer, "eos_token_ids", None) or [])
+        return eos_ids_of(self.tokenizer)
 
 
 def load_target_model(path: str | Path) -> tuple[nn.Module, Any]:

@@ -238,6 +238,19 @@ class _Indices:
         self.pack = mx.array([pack[j] for j in range(layout.total)], dtype=mx.int32)
 
 
+def qkv_heads(attn: nn.Module, x: mx.array, B: int, L: int) -> tuple[mx.array, mx.array, mx.array]:
+    """A llama/qwen attention's queries, keys and values of x (B x L positions) as
+    [B, heads, L, D], per-head normed where the model has q/k norms (qwen3), before RoPE.
+    Shared by the packed forward (x [1, N, H] read as N rows of one position each) and the
+    CPU-kernel layers (`engine.cpu_layers`, x [B, L, H])."""
+    queries = attn.q_proj(x).reshape(B, L, attn.n_heads, -1)
+    keys = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1)
+    values = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1)
+    if hasattr(attn, "q_norm"):  # qwen3: per-head norms before RoPE
+        queries, keys = attn.q_norm(queries), attn.k_norm(keys)
+    return queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+
+
 def _heads(x: mx.array, index: mx.array, rows: int) -> mx.array:
     """Packed heads [N, h, 1, D] -> [rows, h, W, D] gathered by a flat packed index."""
     gathered = x[index]  # [rows * W, h, 1, D]
@@ -250,17 +263,11 @@ def _attention(
 ) -> mx.array:  # fmt: skip
     """The layer's attention on packed x [1, N, H], reading and writing the ragged cache (and
     each prefill segment's own cache)."""
-    N = x.shape[1]
     layout = idx.layout
-    queries = attn.q_proj(x).reshape(N, 1, attn.n_heads, -1)
-    keys = attn.k_proj(x).reshape(N, 1, attn.n_kv_heads, -1)
-    values = attn.v_proj(x).reshape(N, 1, attn.n_kv_heads, -1)
-    if hasattr(attn, "q_norm"):  # qwen3: per-head norms before RoPE
-        queries, keys = attn.q_norm(queries), attn.k_norm(keys)
     # Every packed token is its own "batch" of length 1 at its own position.
-    queries = attn.rope(queries.transpose(0, 2, 1, 3), offset=idx.positions)
-    keys = attn.rope(keys.transpose(0, 2, 1, 3), offset=idx.positions)
-    values = values.transpose(0, 2, 1, 3)
+    queries, keys, values = qkv_heads(attn, x, x.shape[1], 1)
+    queries = attn.rope(queries, offset=idx.positions)
+    keys = attn.rope(keys, offset=idx.positions)
     # Each row's positions go to its own cache slot at its own offset (padding lands past
     # the row's new length, in free space, and is never attended).
     B = layout.rows

@@ -24,7 +24,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 from drafters.base import Drafter, DraftSession
 from engine.errors import InvalidRequest
 from engine.sampling import SamplingParams, request_key, sample
-from engine.stopping import StopChecker
+from engine.stopping import StopChecker, eos_ids_of
 from engine.target import TargetAdapter
 
 
@@ -85,7 +85,7 @@ def generate(
     if not prompt_ids:
         raise InvalidRequest("prompt must contain at least one token")
     if eos_token_ids is None:
-        eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        eos_token_ids = eos_ids_of(tokenizer)
     stop = StopChecker(params, eos_token_ids, tokenizer if (tokenizer is not None) else None)
     depth_cap = drafter.max_depth if drafter is not None else 0
     if params.num_speculative_tokens is not None:

@@ -12,6 +12,12 @@ from typing import Any
 from engine.sampling import SamplingParams
 
 
+def eos_ids_of(tokenizer: Any | None) -> set[int]:
+    """The tokenizer's end-of-sequence token ids (none without a tokenizer): the one place
+    the engine, the single-request loop and a loaded pair read them."""
+    return set(getattr(tokenizer, "eos_token_ids", None) or ())
+
+
 class StopChecker:
     """Tracks a request's generated tokens and text and decides when it is finished."""
 

@@ -93,6 +93,26 @@ def test_a_stopped_build_resumes_where_it_stopped(
     assert computed == []  # a finished store is read, never recomputed
 
 
+def test_a_store_whose_index_does_not_match_is_computed_again(
+    qwen3_target_dir: Path, tmp_path: Path
+):
+    """The index is checked on reopening: a store that says it holds other shapes (written by
+    other code under the same key) is computed again, never read as if it fit."""
+    target = _target(qwen3_target_dir)
+    tokens = _corpus(target.vocab_size, LENGTHS, seed=4)
+    FeatureStore.build(target, tokens, tmp_path, "qwen3", max_rows=1)
+    directory = next(tmp_path.glob("features-*"))
+    index_path = directory / feature_store.INDEX_FILE
+    index = json.loads(index_path.read_text())
+    index_path.write_text(json.dumps({**index, "width": index["width"] // 2}))
+    (directory / feature_store.DATA_FILE).write_bytes(b"\0" * 8)  # not this store's data
+    store = FeatureStore.build(target, tokens, tmp_path, "qwen3", max_rows=1)
+    assert json.loads(index_path.read_text()) == index
+    for i, seq in enumerate(tokens):
+        alone = np.array(train.target_features(target, seq))
+        np.testing.assert_allclose(np.array(store.get(i)), alone, rtol=1e-4, atol=1e-4)
+
+
 def test_another_corpus_gets_a_store_of_its_own(qwen3_target_dir: Path, tmp_path: Path):
     target = _target(qwen3_target_dir)
     first = FeatureStore.build(target, _corpus(target.vocab_size, LENGTHS), tmp_path, "qwen3")

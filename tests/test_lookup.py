@@ -61,6 +61,23 @@ def test_incremental_index_equals_brute_force_after_every_token(tokens, bounds, 
         assert len(drafts) in (0, capped)
 
 
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.one_of(random_tokens, repetitive_tokens), bounds=bounds,
+       cuts=st.lists(st.integers(0, 40), max_size=4))  # fmt: skip
+def test_bulk_extend_equals_appending_token_by_token(tokens, bounds, cuts):
+    """`extend` (a table at a time) leaves the same index as `append` per token, whatever
+    chunks the sequence arrives in (a prompt, then steps of one or several tokens)."""
+    one_by_one, in_chunks = NGramIndex(*bounds), NGramIndex(*bounds)
+    for token in tokens:
+        one_by_one.append(token)
+    edges = sorted({0, len(tokens), *(min(c, len(tokens)) for c in cuts)})
+    for start, end in zip(edges, edges[1:]):
+        in_chunks.extend(tokens[start:end])
+        assert in_chunks.match() == brute_force_match(tokens[:end], *bounds)
+    assert in_chunks.tokens == one_by_one.tokens
+    assert in_chunks._tables == one_by_one._tables
+
+
 def test_proposal_continues_the_most_recent_longest_match():
     index = NGramIndex(2, 3)
     # "7 8 9 1" early, "7 8 9 2" later, then suffix "7 8 9": the later occurrence wins.

@@ -101,11 +101,18 @@ class FeatureStore:
         width = target.hidden_size * len(target.layer_ids)
         batches = length_batches(lengths, batch_tokens, max_rows)
         index_path, progress_path = directory / INDEX_FILE, directory / PROGRESS_FILE
+        index = {"sequences": len(tokens), "tokens": int(offsets[-1]), "width": width,
+                 "layer_ids": list(target.layer_ids), "target": target_name}  # fmt: skip
+        if index_path.exists() and _read_index(index_path) != index:
+            # Not the store this key names (a store written by other code, or cut short while
+            # its index was written): start it over rather than read features of other shapes.
+            log.warning("feature store %s does not match its key; computing it again", directory)
+            index_path.unlink()
+            progress_path.unlink(missing_ok=True)
         if not index_path.exists():
+            progress_path.unlink(missing_ok=True)  # counts batches of a data file now replaced
             np.memmap(directory / DATA_FILE, dtype=np.float32, mode="w+",
                       shape=(int(offsets[-1]), width)).flush()  # fmt: skip
-            index = {"sequences": len(tokens), "tokens": int(offsets[-1]), "width": width,
-                     "layer_ids": list(target.layer_ids), "target": target_name}  # fmt: skip
             index_path.write_text(json.dumps(index, indent=1) + "\n")
         done = json.loads(progress_path.read_text())["batches"] if progress_path.exists() else 0
         if done < len(batches):
@@ -122,6 +129,13 @@ class FeatureStore:
                     log.info("target features: batch %d of %d", b + 1, len(batches))
             del data
         return cls(directory, offsets, width)
+
+
+def _read_index(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _write_batch(

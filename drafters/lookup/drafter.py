@@ -52,18 +52,18 @@ class LookupSession:
         """Index `tokens`, which sit at positions start, start+1, ...; positions already
         indexed (an anchor seen early) must hold the same token."""
         index = self.index
-        for offset, token in enumerate(tokens):
-            position = start + offset
-            if position < len(index):
-                if index.tokens[position] != token:
-                    raise ValueError(
-                        f"lookup session out of sync at position {position}: indexed "
-                        f"{index.tokens[position]}, committed {token}"
-                    )
-            elif position == len(index):
-                index.append(int(token))
-            else:
-                raise ValueError(f"lookup session skipped positions {len(index)}..{position - 1}")
+        known = len(index)
+        if start > known:
+            raise ValueError(f"lookup session skipped positions {known}..{start - 1}")
+        seen = max(0, min(len(tokens), known - start))  # already indexed (an anchor seen early)
+        for offset in range(seen):
+            if index.tokens[start + offset] != tokens[offset]:
+                raise ValueError(
+                    f"lookup session out of sync at position {start + offset}: indexed "
+                    f"{index.tokens[start + offset]}, committed {tokens[offset]}"
+                )
+        if seen < len(tokens):
+            index.extend(tokens[seen:])
 
 
 class LookupDrafter:

@@ -118,6 +118,37 @@ def test_flush_cap_writes_pending_rows_while_parked(qwen3_target_dir, drafter_di
     drafter.close(session)
 
 
+def test_pending_rows_are_compacted_without_a_forward_and_draft_as_if_given_at_once(
+    qwen3_target_dir, drafter_dir, monkeypatch
+):
+    """A parked session holds its rows (no drafter forward below the flush cap); every
+    COMPACT_PIECES commits they become one array; its next proposal equals that of a session
+    given the same rows in one commit."""
+    from drafters.dflash import drafter as drafter_module
+
+    pair = load_pair(qwen3_target_dir, drafter_dir)
+    drafter = pair.drafter
+    forwards = []
+    real_append = drafter.model.append_context
+    monkeypatch.setattr(drafter.model, "append_context",
+                        lambda *a: forwards.append(1) or real_append(*a))  # fmt: skip
+    _, feats = pair.target(mx.array([[3 + i % 40 for i in range(100)]]))
+    one_by_one, at_once = drafter.open(), drafter.open()
+    pieces = drafter_module.COMPACT_PIECES
+    for i in range(pieces + 3):
+        drafter.commit(one_by_one, feats[0, i : i + 1])
+    assert forwards == []  # parked: nothing written
+    assert len(one_by_one.pending) == 4 and one_by_one.pending_rows == pieces + 3
+    assert one_by_one.context_rows == 0
+    drafter.commit(at_once, feats[0, : pieces + 3])
+    anchor = 3 + (pieces + 3) % 40
+    a = drafter.propose([one_by_one], [anchor], [4])
+    b = drafter.propose([at_once], [anchor], [4])
+    assert a.tokens.tolist() == b.tokens.tolist()
+    assert mx.allclose(a.probs, b.probs, atol=ATOL)
+    assert one_by_one.context_rows == pieces + 3 and one_by_one.pending_rows == 0
+
+
 def test_a_steps_opens_and_closes_copy_the_cache_once_each(
     qwen3_target_dir, drafter_dir, monkeypatch
 ):

@@ -159,6 +159,52 @@ async def test_all_lookup_rows_run_no_drafter_forward():
         assert tokens == plain_greedy(pair.target.model, prompt, 32)
 
 
+class LookupOnly:
+    """Depth 3 by lookup wherever a row matches, else nothing: DFlash is never chosen, though
+    every request has a DFlash session."""
+
+    def choose(self, requests, max_depth):
+        raise AssertionError("the engine should ask choose_drafts")
+
+    def choose_drafts(self, requests, options: dict[str, DraftOptions]):
+        usable = [r.request_id for r in requests if LOOKUP in options[r.request_id].sources]
+        depths = {r.request_id: 3 if r.request_id in usable else 0 for r in requests}
+        return depths, dict.fromkeys(usable, LOOKUP)
+
+    def observe(self, result) -> None:
+        pass
+
+
+@needs_bundle
+async def test_requests_that_never_draft_with_dflash_never_run_the_drafter():
+    """The drafter writes a request's context only when it drafts: while the controller
+    chooses lookup or nothing, no drafter forward runs, not even for the prompts at their
+    joins, and each DFlash session holds every committed position as pending rows."""
+    pair = load_pair(TARGET, DRAFTER)
+    # Prompts of 400-600 tokens: longer than a flush at the join used to allow.
+    prompts = [(p * 8)[: 400 + 50 * i] for i, p in enumerate(copy_heavy_prompts(pair.tokenizer, 4))]
+    config = EngineConfig(target=str(TARGET), drafter=str(DRAFTER), max_num_seqs=4)
+    async with AsyncEngine(config, depth_policy=LookupOnly()) as engine:
+        runner = engine._runner
+        forwards = []
+        real_append = runner.drafter.model.append_context
+        runner.drafter.model.append_context = lambda *a: forwards.append(1) or real_append(*a)
+        held = []
+        engine.step_hooks.append(lambda _: held.append(runner.draft_rows()))
+        engine.step_hooks.append(lambda _: held.append(runner.cache_lengths()))
+        requests = [(f"p{i}", p, 24, None, 0) for i, p in enumerate(prompts)]
+        results = await run_all(engine, requests)
+    assert forwards == []
+    assert sum(last.drafted_by_source.get(LOOKUP, 0) for _, last in results) > 0
+    pairs = list(zip(held[::2], held[1::2]))
+    assert any(rows for rows, _ in pairs)
+    for rows, lengths in pairs:
+        for request_id, (context, pending) in rows.items():
+            assert context == 0 and pending == lengths[request_id]
+    for prompt, (tokens, _) in zip(prompts, results):
+        assert tokens == plain_greedy(pair.target.model, prompt, 24)
+
+
 class AlternatingSources:
     """Lookup on two steps, DFlash on the third, ... at depth 4 (depth 0 where lookup has no
     match); records the committed sequence each time DFlash is chosen."""

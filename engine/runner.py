@@ -185,6 +185,7 @@ class ModelRunner:
         # Profiling adds a host sync after the draft forward to time it apart from the verify.
         self.profile_phases = profile_phases
         self._draft_seconds = 0.0
+        self._draft_context_rows = 0
         self.cache: list[RaggedKVCache] = [RaggedKVCache(0) for _ in target.layers]
         self.rows: list[str] = []  # request ids in batch-row order
         self.states: dict[str, _RowState] = {}
@@ -290,6 +291,7 @@ class ModelRunner:
         elif plan.lookahead and self.rows and not self._lookup_due(plan.lookup_watch):
             self._lookahead = self._launch_lookahead()
         result.kv_bytes = self.kv_bytes
+        result.draft_context_rows = self._draft_context_rows
         finished = time.perf_counter()
         # A used lookahead was built and computed before this call (overlapped with the
         # loop's work): its time counts here, so the cost model sees what the forward cost.
@@ -622,6 +624,7 @@ class ModelRunner:
         host = mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)
         if not drafting:
             return host
+        self._draft_context_rows = sum(states[i].session.pending_rows for i in drafting)
         candidates = self.drafter.propose(
             [states[i].session for i in drafting],
             [states[i].anchor for i in drafting],

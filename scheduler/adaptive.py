@@ -425,7 +425,11 @@ class AdaptiveDepthPolicy:
             if outcome.drafted:
                 model = self.models.get(outcome.source or DFLASH, self.acceptance)
                 model.observe(request_id, outcome.drafted, outcome.accepted)
-        if result.batch_size:
+        # A drafter forward that also wrote sessions' backlogs (rows committed while they sat
+        # out, the prompt at a request's first proposal) costs a one-off: learning drafting's
+        # price from it would make every later draft look dearer.
+        catching_up = result.draft_context_rows > result.verify_tokens
+        if result.batch_size and not catching_up:
             seconds = result.forward_seconds or result.step_seconds
             drafting = result.drafted_rows > 0  # a drafter forward ran
             self.cost.observe(result.batch_size, result.verify_tokens, result.prefill_tokens,
@@ -437,7 +441,7 @@ class AdaptiveDepthPolicy:
             )
         if self.guard is not None:
             tokens = sum(len(o.tokens) for o in result.outcomes.values())
-            clean = not result.prefill_tokens and not result.first_tokens
+            clean = not (result.prefill_tokens or result.first_tokens or catching_up)
             plain = self.cost.predict_plain(result.batch_size) if result.batch_size else 0.0
             self.guard.observe(result.batch_size, tokens, plain, clean)
         if self._probing:

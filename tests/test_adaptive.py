@@ -447,3 +447,26 @@ def test_the_shared_prior_leaves_its_starting_value_after_a_few_observations():
     for i in range(1000):  # accepted 3 times in 10
         model.observe("r", 1, int(i % 10 < 3))
     assert abs(model.prior[0] - 0.3) < 0.06, model.prior
+
+
+def test_a_drafter_catch_up_teaches_the_cost_model_nothing():
+    """A step whose drafter forward also wrote a session's backlog (its prompt at its first
+    proposal, or rows committed while it sat out) is left out of the cost model and counts
+    as unclean for the guard: its one-off cost is not what drafting costs."""
+    policy = AdaptiveDepthPolicy(warmup_steps=0)
+
+    def step(context_rows: int, seconds: float, depth: int = 3) -> None:
+        policy.observe(StepResult(
+            outcomes={"r": RowOutcome([1, 2][: 1 + bool(depth)], depth, int(bool(depth)))},
+            batch_size=1, verify_tokens=1 + depth, drafted_rows=int(bool(depth)),
+            draft_context_rows=context_rows, step_seconds=seconds, forward_seconds=seconds,
+        ))  # fmt: skip
+
+    for _ in range(3):
+        step(context_rows=0, seconds=0.010, depth=0)  # plain steps
+    step(context_rows=2, seconds=0.020)  # steady drafting: 2 rows since the last proposal
+    learned = policy.cost.predict(1, [3], drafting=True)
+    step(context_rows=400, seconds=0.500)  # a 400-row catch-up
+    assert policy.cost.predict(1, [3], drafting=True) == learned
+    step(context_rows=4, seconds=0.500)  # as slow without a catch-up: that is learned
+    assert policy.cost.predict(1, [3], drafting=True) > learned

@@ -205,6 +205,26 @@ async def test_requests_that_never_draft_with_dflash_never_run_the_drafter():
         assert tokens == plain_greedy(pair.target.model, prompt, 24)
 
 
+@needs_bundle
+async def test_a_first_proposal_writes_the_prompt_and_reports_it():
+    """A request's first DFlash proposal writes its whole prompt into the drafter and the step
+    says so (`draft_context_rows`, which keeps the catch-up out of the cost model); drafting
+    on every step after it, each proposal writes only the rows the last step committed."""
+    pair = load_pair(TARGET, DRAFTER)
+    (prompt,) = copy_heavy_prompts(pair.tokenizer, 1)
+    config = EngineConfig(target=str(TARGET), drafter=str(DRAFTER), max_num_seqs=1,
+                          num_speculative_tokens=3, draft_sources=[DFLASH])  # fmt: skip
+    async with AsyncEngine(config) as engine:
+        steps = []
+        engine.step_hooks.append(steps.append)
+        ((tokens, _),) = await run_all(engine, [("s", prompt, 24, None, 0)])
+    drafting = [r for r in steps if r.drafted_rows]
+    assert drafting[0].draft_context_rows == len(prompt)
+    for before, step in zip(drafting, drafting[1:]):
+        assert step.draft_context_rows == len(before.outcomes["s"].tokens)
+    assert tokens == plain_greedy(pair.target.model, prompt, 24)
+
+
 class AlternatingSources:
     """Lookup on two steps, DFlash on the third, ... at depth 4 (depth 0 where lookup has no
     match); records the committed sequence each time DFlash is chosen."""

@@ -427,7 +427,7 @@ class AdaptiveDepthPolicy:
                 model.observe(request_id, outcome.drafted, outcome.accepted)
         # A drafter forward that also wrote sessions' backlogs (rows committed while they sat
         # out, the prompt at a request's first proposal) costs a one-off: learning drafting's
-        # price from it would make every later draft look dearer.
+        # marginal price from it would make every later draft look dearer.
         catching_up = result.draft_context_rows > result.verify_tokens
         if result.batch_size and not catching_up:
             seconds = result.forward_seconds or result.step_seconds
@@ -441,7 +441,9 @@ class AdaptiveDepthPolicy:
             )
         if self.guard is not None:
             tokens = sum(len(o.tokens) for o in result.outcomes.values())
-            clean = not (result.prefill_tokens or result.first_tokens or catching_up)
+            # A catch-up counts here: a held batch never pays it, so the whole-loop comparison
+            # of the two arms should see it.
+            clean = not result.prefill_tokens and not result.first_tokens
             plain = self.cost.predict_plain(result.batch_size) if result.batch_size else 0.0
             self.guard.observe(result.batch_size, tokens, plain, clean)
         if self._probing:

@@ -83,7 +83,7 @@ class StepResult:
     drafted_rows: int = 0  # rows in the drafter forward (0: no drafter forward ran)
     # Context rows that forward wrote into the drafter: each drafting session's positions
     # committed since its last proposal (more than the step's verify positions: a catch-up
-    # after the session sat out, whose one-off cost says nothing about drafting's own).
+    # after the session sat out, whose one-off cost says nothing about a draft's own).
     draft_context_rows: int = 0
     lookup_rows: int = 0  # rows verifying lookup drafts (no forward of their own)
     # Every decoding row's lookup match length for its next step (0: no match).

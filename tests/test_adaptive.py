@@ -451,8 +451,9 @@ def test_the_shared_prior_leaves_its_starting_value_after_a_few_observations():
 
 def test_a_drafter_catch_up_teaches_the_cost_model_nothing():
     """A step whose drafter forward also wrote a session's backlog (its prompt at its first
-    proposal, or rows committed while it sat out) is left out of the cost model and counts
-    as unclean for the guard: its one-off cost is not what drafting costs."""
+    proposal, or rows committed while it sat out) is left out of the cost model: its one-off
+    cost is not what one more draft costs. (The guard still counts it: a held batch never
+    pays it.)"""
     policy = AdaptiveDepthPolicy(warmup_steps=0)
 
     def step(context_rows: int, seconds: float, depth: int = 3) -> None:

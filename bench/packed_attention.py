@@ -66,19 +66,16 @@ def main() -> None:
     mx.eval(keys, values, padded_q, anchor_q, draft_q, padded_mask, anchor_mask, draft_mask)
     scale, cpu = HEAD_DIM**-0.5, cpu_kernels.wanted()  # the attention the engine runs here
 
-    def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
-        return row_attention(q, k, v, mask, scale, cpu)
-
     rows = mx.arange(S)  # the drafting rows' cache, gathered (a slice when adjacent)
 
     def plain():
-        return sdpa(anchor_q, keys, values, scale=scale, mask=anchor_mask)
+        return row_attention(anchor_q, keys, values, anchor_mask, scale, cpu)
 
     def padded():
-        return sdpa(padded_q, keys, values, scale=scale, mask=padded_mask)
+        return row_attention(padded_q, keys, values, padded_mask, scale, cpu)
 
     def split():
-        drafted = sdpa(draft_q, keys[rows], values[rows], scale=scale, mask=draft_mask)
+        drafted = row_attention(draft_q, keys[rows], values[rows], draft_mask, scale, cpu)
         return [plain(), drafted]
 
     results = {}

@@ -108,7 +108,6 @@ class FeatureStore:
             # its index was written): start it over rather than read features of other shapes.
             log.warning("feature store %s does not match its key; computing it again", directory)
             index_path.unlink()
-            progress_path.unlink(missing_ok=True)
         if not index_path.exists():
             progress_path.unlink(missing_ok=True)  # counts batches of a data file now replaced
             np.memmap(directory / DATA_FILE, dtype=np.float32, mode="w+",

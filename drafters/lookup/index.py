@@ -52,11 +52,12 @@ class NGramIndex:
         `dict.update` (later occurrences overwrite earlier ones, as appending would). A
         prompt's thousands of tokens are indexed at C speed, not ~7 dict writes each in
         Python (most of the lookup drafter's CPU at 32 rows of 350-token prompts)."""
-        tokens = [int(t) for t in tokens]
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
         if len(tokens) < _BULK_FROM:  # a decode step's few tokens: the loop is cheaper
             for token in tokens:
-                self.append(token)
+                self.append(int(token))
             return
+        tokens = [int(t) for t in tokens]
         old = len(self.tokens)
         self.tokens.extend(tokens)
         all_tokens, length = self.tokens, len(self.tokens)

@@ -242,6 +242,7 @@ class ModelRunner:
             self.blas.fit(prefill_tokens + len(self.rows) + sum(plan.depths.values()))
 
         self._draft_seconds = 0.0
+        self._draft_context_rows = 0  # set by this step's drafter forward, if it runs one
         decode, ahead_seconds = None, 0.0
         if lookahead is not None and not any(plan.depths.get(r, 0) for r in self.rows):
             decode = lookahead.decode

@@ -273,8 +273,15 @@ async def test_switching_sources_keeps_the_dflash_session_in_sync():
 
         drafter.propose = recorded
         failures = check_invariants(engine)
+        steps = []
+        engine.step_hooks.append(steps.append)
         ((tokens, last),) = await run_all(engine, [("s", prompt, 48, None, 0)])
     assert not failures, failures[:5]
+    # A step without a drafter forward (lookup, or plain) wrote no drafter context: a count
+    # left over from the last DFlash step would keep every later step out of the cost model.
+    first = next(i for i, r in enumerate(steps) if r.drafted_rows)
+    others = [r for r in steps[first:] if r.batch_size and not r.drafted_rows]
+    assert others and all(r.draft_context_rows == 0 for r in others)
     assert tokens == plain_greedy(pair.target.model, prompt, 48)
     assert last.drafted_by_source.get(LOOKUP, 0) > 0 and len(proposals) >= 4
     assert len(proposals) == len(policy.dflash_contexts)

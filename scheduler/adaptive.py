@@ -4,7 +4,9 @@
 
 - **Acceptance model.** Per request and draft position j, the conditional probability that
   draft j is accepted given drafts 1..j-1 were, learned online (EWMA) and starting from a prior
-  shared by all requests. The prior is the shrunk mean of everyone's recent observations:
+  shared by the requests of its acceptance group (greedy, or a band of temperatures: sampling
+  hotter accepts less, so greedy rows must not set a sampled request's start). A prior is the
+  shrunk mean of its group's recent observations:
   (PRIOR_WEIGHT x the starting value + hits) / (PRIOR_WEIGHT + trials), with hits and trials
   decaying at 2% per observation (a window of about 50). So a fresh engine stops believing the
   starting 0.6 after a dozen rejections, where an EWMA at that slow rate still said 0.47.
@@ -79,42 +81,88 @@ PROBE_ROWS = 2  # rows a probe drafts for (packed verify; padded probes every ro
 PROBE_BUDGET = 0.03
 
 
+GREEDY = "greedy"  # the acceptance group of T=0 requests, and of requests never enrolled
+
+
+def acceptance_group(temperature: float) -> str:
+    """The shared prior a request learns from and starts at. Acceptance depends on how a
+    request samples: a greedy row accepts a draft when it is the argmax, a sampled one by
+    p/q, and the hotter the target's distribution the less mass any one draft carries. One
+    prior for all let greedy rows' high acceptance send every new T=1 request (bundled pair,
+    tau 1.00) into depth-3 drafts and a prompt catch-up before its own rejections parked it."""
+    if temperature == 0.0:
+        return GREEDY
+    if temperature <= 0.5:
+        return "T<=0.5"
+    return "T<=1" if temperature <= 1.0 else "T>1"
+
+
+@dataclass
+class SharedPrior:
+    """One group's prior: the shrunk mean of its requests' recent observations (decayed
+    hits and trials per position)."""
+
+    initial: float
+    prior: list[float]
+    hits: list[float]
+    trials: list[float]
+
+    @classmethod
+    def fresh(cls, initial: float, depth: int) -> SharedPrior:
+        return cls(initial, [initial] * depth, [0.0] * depth, [0.0] * depth)
+
+    def learn(self, position: int, hit: float, keep: float) -> None:
+        self.hits[position] = self.hits[position] * keep + hit
+        self.trials[position] = self.trials[position] * keep + 1.0
+        self.prior[position] = (PRIOR_WEIGHT * self.initial + self.hits[position]) / (
+            PRIOR_WEIGHT + self.trials[position]
+        )
+
+
 @dataclass
 class AcceptanceModel:
-    """Per-position conditional acceptance: a shared prior and per-request estimates."""
+    """Per-position conditional acceptance: shared priors (one per acceptance group, see
+    `acceptance_group`) and per-request estimates that start at their group's prior."""
 
     max_depth: int
     alpha: float = 0.15  # EWMA step for per-request estimates
-    prior_alpha: float = 0.02  # the shared prior's decay per observation (its memory)
-    prior: list[float] = field(default_factory=list)
+    prior_alpha: float = 0.02  # a shared prior's decay per observation (its memory)
     per_request: dict[str, list[float]] = field(default_factory=dict)
     initial: float = PRIOR_ACCEPTANCE
-    # Decayed counts behind the shared prior, per position.
-    hits: list[float] = field(default_factory=list)
-    trials: list[float] = field(default_factory=list)
+    groups: dict[str, SharedPrior] = field(default_factory=dict)
+    group_of: dict[str, str] = field(default_factory=dict)  # request id -> its group
 
-    def __post_init__(self) -> None:
-        if not self.prior:
-            self.prior = [self.initial] * self.max_depth
-        self.hits = [0.0] * self.max_depth
-        self.trials = [0.0] * self.max_depth
+    def _shared(self, group: str) -> SharedPrior:
+        shared = self.groups.get(group)
+        if shared is None:
+            shared = self.groups[group] = SharedPrior.fresh(self.initial, self.max_depth)
+        return shared
+
+    @property
+    def prior(self) -> list[float]:
+        """The greedy group's prior (requests never enrolled learn from it too)."""
+        return self._shared(GREEDY).prior
+
+    def enroll(self, request_id: str, group: str) -> None:
+        """Put a request in an acceptance group (before its first estimate)."""
+        self.group_of[request_id] = group
 
     def estimate(self, request_id: str) -> list[float]:
-        return self.per_request.get(request_id, self.prior)
+        mine = self.per_request.get(request_id)
+        if mine is not None:
+            return mine
+        return self._shared(self.group_of.get(request_id, GREEDY)).prior
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         """Positions 1..accepted were accepted, accepted+1 rejected, the rest not judged."""
-        mine = self.per_request.setdefault(request_id, list(self.prior))
+        shared = self._shared(self.group_of.get(request_id, GREEDY))
+        mine = self.per_request.setdefault(request_id, list(shared.prior))
         judged = min(drafted, accepted + 1)
+        keep = 1.0 - self.prior_alpha
         for j in range(judged):
             hit = 1.0 if j < accepted else 0.0
             mine[j] += self.alpha * (hit - mine[j])
-            keep = 1.0 - self.prior_alpha
-            self.hits[j] = self.hits[j] * keep + hit
-            self.trials[j] = self.trials[j] * keep + 1.0
-            self.prior[j] = (PRIOR_WEIGHT * self.initial + self.hits[j]) / (
-                PRIOR_WEIGHT + self.trials[j]
-            )
+            shared.learn(j, hit, keep)
 
     def expected_tokens(self, request_id: str, depth: int) -> float:
         q = self.estimate(request_id)
@@ -136,6 +184,11 @@ class AcceptanceModel:
 
     def forget(self, request_id: str) -> None:
         self.per_request.pop(request_id, None)
+        self.group_of.pop(request_id, None)
+
+    def priors(self) -> dict[str, list[float]]:
+        return {group: [round(p, 3) for p in shared.prior]
+                for group, shared in sorted(self.groups.items())}  # fmt: skip
 
 
 class CostCurve:
@@ -352,6 +405,11 @@ class AdaptiveDepthPolicy:
                                 "reason": "measured_slower"}  # fmt: skip
             self.parked_reasons = dict.fromkeys((r.request_id for r in requests), "measured_slower")
             return {r.request_id: 0 for r in requests}, {}
+        for r in requests:
+            if r.request_id not in self.acceptance.group_of:  # new: join its group's prior
+                group = acceptance_group(r.params.temperature)
+                for model in self.models.values():
+                    model.enroll(r.request_id, group)
         caps = {r.request_id: self._caps(r, options[r.request_id]) for r in requests}
         self._usable = {s for cap in caps.values() for s in cap}
         max_depth = max((c for cap in caps.values() for c in cap.values()), default=0)
@@ -693,8 +751,8 @@ class AdaptiveDepthPolicy:
     def state(self) -> dict:
         """Inspectable state: prior, cost coefficients, last choice, probe cadence."""
         return {
-            "prior": [round(p, 3) for p in self.acceptance.prior],
-            "lookup_prior": [round(p, 3) for p in self.lookup_acceptance.prior],
+            "prior": self.acceptance.priors(),  # per acceptance group
+            "lookup_prior": self.lookup_acceptance.priors(),
             "cost_plain": {
                 round(CostCurve.center(b)): round(v, 5)
                 for b, v in sorted(self.cost.plain.mean.items())

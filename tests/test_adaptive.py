@@ -17,6 +17,7 @@ from scheduler.adaptive import (
     PROBE_ROWS,
     AcceptanceModel,
     AdaptiveDepthPolicy,
+    acceptance_group,
 )
 from scheduler.plan import RowOutcome, StepResult
 from scheduler.request import Request
@@ -447,6 +448,51 @@ def test_the_shared_prior_leaves_its_starting_value_after_a_few_observations():
     for i in range(1000):  # accepted 3 times in 10
         model.observe("r", 1, int(i % 10 < 3))
     assert abs(model.prior[0] - 0.3) < 0.06, model.prior
+
+
+def test_each_acceptance_group_keeps_its_own_prior():
+    """Greedy rows' acceptance does not set where a sampled request starts: each group
+    (greedy, temperature bands) learns its own prior, and a request starts at its group's."""
+    assert acceptance_group(0.0) == "greedy"
+    assert acceptance_group(0.3) != acceptance_group(1.0) != acceptance_group(1.5)
+    model = AcceptanceModel(4)
+    for i in range(40):
+        model.enroll(f"g{i}", "greedy")
+        model.observe(f"g{i}", 1, 1)  # greedy drafts accepted
+        model.enroll(f"s{i}", "T<=1")
+        model.observe(f"s{i}", 1, 0)  # sampled drafts rejected
+    assert model.prior[0] > 0.85 and model.groups["T<=1"].prior[0] < 0.15
+    model.enroll("new-greedy", "greedy")
+    model.enroll("new-sampled", "T<=1")
+    assert model.estimate("new-greedy")[0] > 0.85
+    assert model.estimate("new-sampled")[0] < 0.15
+    model.forget("new-sampled")
+    assert "new-sampled" not in model.group_of
+
+
+def test_a_sampled_request_does_not_draft_on_the_greedy_rows_record():
+    """Served one after another (c=1, as the benchmark's cells run), greedy requests whose
+    drafts are accepted and sampled ones whose drafts are not: once each group has learned,
+    a new sampled request starts parked instead of drafting deep on the greedy record (with
+    one prior for all, every new T=1 request drafted until its own rejections parked it)."""
+    truth = {"greedy": [0.9] * 15, "T<=1": [0.02] * 15}
+    group_of: dict[str, str] = {}
+    sim = Simulator(
+        lambda b, depths: 0.010 + 0.004 * sum(depths), lambda rid: truth[group_of[rid]],
+        packed=True,
+    )  # fmt: skip
+    policy = AdaptiveDepthPolicy()
+    first_steps = []
+    for i in range(12):
+        for temperature, group in ((0.0, "greedy"), (1.0, "T<=1")):
+            params = SamplingParams(max_tokens=10**6, temperature=temperature)
+            request = Request(f"{group}-{i}", [1, 2, 3], params, StopChecker(params))
+            group_of[request.request_id] = group
+            depths = [sim.step(policy, [request]) for _ in range(30)]
+            if group == "T<=1" and i >= 6:  # its first 5 steps: one probe position at most
+                first_steps.append(sum(d[request.request_id] for d in depths[:5]))
+            policy.observe(StepResult())  # the request leaves
+    assert max(first_steps) <= 1, first_steps
 
 
 def test_a_drafter_catch_up_teaches_the_cost_model_nothing():

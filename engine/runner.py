@@ -90,6 +90,8 @@ class _Decode:
     accepted: mx.array  # [B]
     features: mx.array | None  # [B, width + 1, F] padded, or [N, F] packed
     drafted_rows: int  # rows in the drafter forward
+    # Context rows that forward wrote into the drafter (its sessions' pending rows).
+    draft_context_rows: int = 0
     sources: list[str | None] = field(default_factory=list)  # per row (None: no drafts)
     lookup_rows: int = 0
     logprobs: token_logprobs.LazyLogprobs | None = None  # rows that asked for them
@@ -185,7 +187,6 @@ class ModelRunner:
         # Profiling adds a host sync after the draft forward to time it apart from the verify.
         self.profile_phases = profile_phases
         self._draft_seconds = 0.0
-        self._draft_context_rows = 0
         self.cache: list[RaggedKVCache] = [RaggedKVCache(0) for _ in target.layers]
         self.rows: list[str] = []  # request ids in batch-row order
         self.states: dict[str, _RowState] = {}
@@ -242,7 +243,6 @@ class ModelRunner:
             self.blas.fit(prefill_tokens + len(self.rows) + sum(plan.depths.values()))
 
         self._draft_seconds = 0.0
-        self._draft_context_rows = 0  # set by this step's drafter forward, if it runs one
         decode, ahead_seconds = None, 0.0
         if lookahead is not None and not any(plan.depths.get(r, 0) for r in self.rows):
             decode = lookahead.decode
@@ -292,7 +292,6 @@ class ModelRunner:
         elif plan.lookahead and self.rows and not self._lookup_due(plan.lookup_watch):
             self._lookahead = self._launch_lookahead()
         result.kv_bytes = self.kv_bytes
-        result.draft_context_rows = self._draft_context_rows
         finished = time.perf_counter()
         # A used lookahead was built and computed before this call (overlapped with the
         # loop's work): its time counts here, so the cost model sees what the forward cost.
@@ -521,6 +520,8 @@ class ModelRunner:
         drafting = [i for i, d in enumerate(depths) if d > 0 and sources[i] == DFLASH]
         if segments and self.packed is None:
             raise ValueError("prefill segments need the packed forward")
+        # Read before the proposal writes them.
+        context_rows = sum(states[i].session.pending_rows for i in drafting)
         if width or segments:
             drafts = None
             if width:
@@ -528,6 +529,7 @@ class ModelRunner:
             if self.packed is not None:
                 decode = self._verify_packed(states, depths, drafts, segments)
                 decode.drafted_rows, decode.sources = len(drafting), sources
+                decode.draft_context_rows = context_rows
                 decode.lookup_rows = len(lookup_drafts)
                 return decode
             verify_ids = mx.concatenate([anchors, drafts], axis=1)
@@ -540,7 +542,7 @@ class ModelRunner:
         else:
             accepted = mx.zeros((len(states),), dtype=mx.int32)
         decode = _Decode(depths, width, targets, accepted, features, len(drafting),
-                         sources, len(lookup_drafts))  # fmt: skip
+                         context_rows, sources, len(lookup_drafts))  # fmt: skip
         asking = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         if asking:  # only rows that asked pay for the log-softmax
             index = mx.array(asking, dtype=mx.int32)
@@ -625,7 +627,6 @@ class ModelRunner:
         host = mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)
         if not drafting:
             return host
-        self._draft_context_rows = sum(states[i].session.pending_rows for i in drafting)
         candidates = self.drafter.propose(
             [states[i].session for i in drafting],
             [states[i].anchor for i in drafting],
@@ -681,6 +682,7 @@ class ModelRunner:
         result.batch_size = len(self.rows)
         result.verify_tokens = decode.verify_tokens
         result.drafted_rows = decode.drafted_rows
+        result.draft_context_rows = decode.draft_context_rows
         result.lookup_rows = decode.lookup_rows
 
     # ----------------------------------------------------------------- membership

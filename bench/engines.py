@@ -32,9 +32,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.blas_threads import restore_default_threads
-
 from bench.stats import RequestRecord, RunResult
+from engine.blas_threads import restore_default_threads
 
 Clock = Callable[[], float]
 
@@ -278,7 +277,8 @@ class FlashbatchEngine(BenchEngine):
         from engine.sampling import SamplingParams
 
         sampling = SamplingParams(
-            max_tokens=params.max_tokens, ignore_eos=not params.stop_at_eos,
+            max_tokens=params.max_tokens,
+            ignore_eos=not params.stop_at_eos,
             temperature=params.temperature,
         )
         gate = asyncio.Semaphore(concurrency)

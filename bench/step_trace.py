@@ -43,8 +43,9 @@ async def run(args: argparse.Namespace) -> None:
         if args.trace:
             eng.step_hooks.append(lambda r: print(_trace_line(r, eng)))
         gate = asyncio.Semaphore(args.concurrency)
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                                ignore_eos=True)
+        params = SamplingParams(
+            temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True
+        )
 
         async def one(i: int) -> None:
             async with gate:

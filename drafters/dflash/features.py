@@ -50,9 +50,7 @@ def length_batches(lengths: Sequence[int], batch_tokens: int, max_rows: int) -> 
     groups: list[list[int]] = []
     current: list[int] = []
     for i in order:  # ascending, so the newest member is the group's longest
-        if current and (
-            (len(current) + 1) * lengths[i] > batch_tokens or len(current) >= max_rows
-        ):
+        if current and ((len(current) + 1) * lengths[i] > batch_tokens or len(current) >= max_rows):
             groups.append(current)
             current = []
         current.append(i)

@@ -78,7 +78,8 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 100  # optimizer steps; 0: only at the end
     feature_cache_mb: int = 4096  # target features kept between epochs (0: recompute each time)
-    feature_store_dir: str = ""  # set: features computed once into a disk store there (one per target)
+    # set: features computed once into a disk store there (one per target)
+    feature_store_dir: str = ""
     log_every: int = 10
     out_dir: str = "drafter"
     resume: bool = False

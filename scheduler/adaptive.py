@@ -3,7 +3,8 @@
     goodput(D) = sum_i E_i[committed tokens | depth d_i(D)] / predicted step cost(B, D)
 
 - **Acceptance model.** Per request and draft position j, the conditional probability that
-  draft j is accepted given drafts 1..j-1 were, learned online (EWMA) and starting from a prior
+  draft j is accepted given drafts 1..j-1 were, learned online (a running mean shrunk to the
+  prior over its first few judgements, then an EWMA) and starting from a prior
   shared by the requests of its acceptance group (greedy, or a band of temperatures: sampling
   hotter accepts less, so greedy rows must not set a sampled request's start). A prior is the
   shrunk mean of its group's recent observations:
@@ -72,6 +73,10 @@ PRIOR_ACCEPTANCE = 0.6  # before anything is observed
 # Lookup drafts are right far more often than chance only on copy-heavy text: a lower start.
 LOOKUP_PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 4.0  # pseudo-observations the starting acceptance counts for in the shared prior
+# Pseudo-observations a request's group prior counts for in its own estimate: its first
+# observations are averaged with the prior at weight 1/(n + this), until that falls to the
+# EWMA's step (see `AcceptanceModel.observe`).
+REQUEST_PRIOR_WEIGHT = 2.0
 MIN_MARGINAL = 0.02  # a draft position is useless once its acceptance chance falls below this
 PROBE_START, PROBE_MAX = 4, 512
 UNPARK_MARGIN = 0.03  # predicted goodput gain needed to start drafting again once parked
@@ -128,6 +133,7 @@ class AcceptanceModel:
     alpha: float = 0.15  # EWMA step for per-request estimates
     prior_alpha: float = 0.02  # a shared prior's decay per observation (its memory)
     per_request: dict[str, list[float]] = field(default_factory=dict)
+    observed: dict[str, list[int]] = field(default_factory=dict)  # judgements per position
     initial: float = PRIOR_ACCEPTANCE
     groups: dict[str, SharedPrior] = field(default_factory=dict)
     group_of: dict[str, str] = field(default_factory=dict)  # request id -> its group
@@ -154,14 +160,22 @@ class AcceptanceModel:
         return self._shared(self.group_of.get(request_id, GREEDY)).prior
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
-        """Positions 1..accepted were accepted, accepted+1 rejected, the rest not judged."""
+        """Positions 1..accepted were accepted, accepted+1 rejected, the rest not judged.
+
+        A request's estimate is a running mean of its judgements shrunk to its group's prior
+        (weight REQUEST_PRIOR_WEIGHT) until it has seen a window's worth, then an EWMA. A
+        plain EWMA from the prior kept a drafter rejected 5 times out of 5 at 0.27 (0.6 x
+        0.85^5): worth a drafter forward whenever a noisy step made drafting look free."""
         shared = self._shared(self.group_of.get(request_id, GREEDY))
         mine = self.per_request.setdefault(request_id, list(shared.prior))
+        seen = self.observed.setdefault(request_id, [0] * len(mine))
         judged = min(drafted, accepted + 1)
         keep = 1.0 - self.prior_alpha
         for j in range(judged):
             hit = 1.0 if j < accepted else 0.0
-            mine[j] += self.alpha * (hit - mine[j])
+            seen[j] += 1
+            step = max(self.alpha, 1.0 / (seen[j] + REQUEST_PRIOR_WEIGHT))
+            mine[j] += step * (hit - mine[j])
             shared.learn(j, hit, keep)
 
     def expected_tokens(self, request_id: str, depth: int) -> float:
@@ -184,6 +198,7 @@ class AcceptanceModel:
 
     def forget(self, request_id: str) -> None:
         self.per_request.pop(request_id, None)
+        self.observed.pop(request_id, None)
         self.group_of.pop(request_id, None)
 
     def priors(self) -> dict[str, list[float]]:
@@ -335,13 +350,22 @@ class CostModel:
             # residual would be a guess (one such, 2 s for 19 positions at B=8 on SmolLM2,
             # closed the extra curve for good).
             return
+        plain = self.predict_plain(batch, prefill_tokens)
+        self.max_extra_seen = max(self.max_extra_seen, extra if self.packed else extra // batch)
+        if seconds < plain and self.plain.measured(batch + prefill_tokens):
+            # A step that drafted cannot cost less than a plain step of its rows: the plain
+            # estimate is stale (measured while the machine was slower, and no plain step
+            # since, as happens while drafting pays). Lower it; the step says nothing of the
+            # extra. Read as a free extra instead, it made drafts that are almost never
+            # accepted (bundled pair, 4 rows, 0.03 per draft) look worth a drafter forward.
+            self.plain.observe(batch + prefill_tokens, seconds)
+            return
         # Unclamped: a residual's clamp scales with its curve's mean, so a curve that first saw
         # free extras (mean ~0) could never learn a costly one (measured: 63 lookup positions
         # at B=32 read as 0.3 ms for 170 ms). A stall then overprices drafts: the safe side.
         key = (_batch_bucket(batch), drafting)
         curve = self.extra.setdefault(key, CostCurve(clamp=math.inf))
-        curve.observe(extra, max(0.0, seconds - self.predict_plain(batch, prefill_tokens)))
-        self.max_extra_seen = max(self.max_extra_seen, extra if self.packed else extra // batch)
+        curve.observe(extra, max(0.0, seconds - plain))
 
     def explore_limit(self, batch: int) -> int:
         """The most extra positions worth trying now: packed, twice the most measured and at

@@ -551,8 +551,13 @@ def test_engine_config_defaults_are_sane(tmp_path: Path):
 async def test_adaptive_depth_parks_a_useless_drafter_and_stays_exact(
     qwen3_target_dir, drafter_dir
 ):
-    """A random-weight drafter is never accepted: the controller falls to the plain path."""
-    config = EngineConfig(target=str(qwen3_target_dir), drafter=str(drafter_dir), max_num_seqs=4)
+    """A random-weight drafter is never accepted: the controller falls to the plain path.
+
+    DFlash is the only source here: on this random-weight pair's repetitive output lookup
+    drafts are accepted, and a step widened by them may add DFlash rows on merit (their
+    drafter forward priced cheap beside it), which said nothing about parking."""
+    config = EngineConfig(target=str(qwen3_target_dir), drafter=str(drafter_dir), max_num_seqs=4,
+                          draft_sources=["dflash"])  # fmt: skip
     requests = [(f"u{i}", [5 + i, 9, 11], 60, None, 0) for i in range(4)]
     async with AsyncEngine(config) as engine:
         drafted_rows = []

@@ -79,7 +79,8 @@ def _trace_line(result, eng) -> str:
         f"B={result.batch_size:2d} verify={result.verify_tokens:3d} "
         f"dflash_rows={result.drafted_rows:2d} lookup_rows={result.lookup_rows:2d} "
         f"prefill={result.prefill_tokens:4d} tokens={tokens:3d} "
-        f"forward={1e3 * result.forward_seconds:6.1f} ms predicted={1e3 * predicted:6.1f} ms"
+        f"forward={1e3 * result.forward_seconds:6.1f} ms "
+        f"cadence={1e3 * result.cadence_seconds:6.1f} ms predicted={1e3 * predicted:6.1f} ms"
     )
 
 

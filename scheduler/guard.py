@@ -1,11 +1,11 @@
 """The "never slower" guard: drafting stays on only where it measurably beats plain decoding.
 
-The adaptive controller decides from models: an acceptance estimate per request and a cost
-curve of the forward. Some costs never reach those models: the controller's own planning on
-the event loop, the looked-ahead plain step a drafting step cannot have, the upkeep of draft
-sessions. On a target whose step is a few milliseconds (the bundled pair at 8 rows: 15 ms)
-they add up to about a tenth of the time, and drafting that the models call a small win is a
-loss.
+The adaptive controller decides from models: an acceptance estimate per request and cost
+curves of the loop's step cadence. Some costs never reach those models: the catch-ups of
+draft sessions (left out of the curves as one-offs), their per-step upkeep on plain steps,
+and prefill steps (priced by their forwards). On a target whose step is a few milliseconds
+(the bundled pair at 8 rows: 15 ms) they can add up to a tenth of the time, and drafting
+that the models call a small win is then a loss.
 
 So the guard measures the whole loop instead. Per octave of batch size it runs the
 controller in epochs of EPOCH_STEPS decode steps (and EPOCH_SECONDS), either free (the

@@ -90,7 +90,11 @@ class StepResult:
     lookup_matches: dict[str, int] = field(default_factory=dict)
     prefill_tokens: int = 0
     step_seconds: float = 0.0
-    forward_seconds: float = 0.0  # drafter + target + sampling up to the sync (the cost model's)
+    forward_seconds: float = 0.0  # drafter + target + sampling up to the sync
+    # The loop's cadence: seconds from the previous step's result reaching the event loop to
+    # this one's (the loop's own work between them included, a lookahead's overlap taken
+    # off); 0 when unknown (the loop sat idle in between, or no loop measured it).
+    cadence_seconds: float = 0.0
     # "forward" (drafter + target + sampling, up to the one sync) and "commit" (rollback and
     # bookkeeping); with phase profiling on, "forward" splits into "draft" and "verify".
     phase_seconds: dict[str, float] = field(default_factory=dict)

@@ -438,6 +438,33 @@ def test_a_drafting_step_faster_than_the_plain_estimate_lowers_it_and_prices_not
     assert abs(cost.predict_extra(4, 8) - (0.0075 - cost.predict_plain(4))) < 1e-9
 
 
+def test_a_drafting_step_is_charged_its_cadence_and_the_lost_overlap_of_the_step_after():
+    """With the loop's cadence known, a step costs what it takes from the loop: a plain step
+    its (overlapped) cadence, a drafting step its cadence plus the excess of the plain step
+    right after it, which ran without a lookahead because of it."""
+    policy = AdaptiveDepthPolicy()
+
+    def step(verify_tokens: int, drafted_rows: int, cadence: float, forward: float) -> None:
+        policy.observe(StepResult(batch_size=8, verify_tokens=verify_tokens,
+                                  drafted_rows=drafted_rows, cadence_seconds=cadence,
+                                  forward_seconds=forward))  # fmt: skip
+
+    for _ in range(4):
+        step(8, 0, 0.0129, 0.0141)  # plain: the forward overlaps the loop's work
+    assert abs(policy.cost.predict_plain(8) - 0.0129) < 1e-9
+    step(24, 8, 0.0242, 0.0204)  # drafting: charged only once the next step is seen
+    assert not policy.cost.extra
+    step(8, 0, 0.0180, 0.0141)  # the plain step after it, without its lookahead
+    assert abs(policy.cost.predict_extra(8, 16) - (0.0242 + 0.0051 - 0.0129)) < 1e-9
+    assert abs(policy.cost.predict_plain(8) - 0.0129) < 1e-9  # not taught the lost overlap
+    step(24, 8, 0.0242, 0.0204)
+    step(24, 8, 0.0250, 0.0204)  # drafting after drafting: the first its own cadence
+    first = 0.0242 + 0.0051 - 0.0129
+    assert abs(policy.cost.predict_extra(8, 16) - (first + 0.2 * (0.0113 - first))) < 1e-9
+    step(8, 0, 0.0, 0.0141)  # the loop idled before this step: no cadence, its forward
+    policy.observe(StepResult(batch_size=8, verify_tokens=8, forward_seconds=0.0129))
+
+
 def test_a_new_batch_size_is_first_measured_plain():
     """Drafts are judged against the plain step of the batch's size: the controller takes
     that step plain before it drafts, however good the drafts (else a guessed plain cost

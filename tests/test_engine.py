@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -586,3 +587,23 @@ async def test_adaptive_depth_drafts_when_drafts_are_accepted(qwen3_target_dir, 
     for reference, (_, prompt, _, _, _), (tokens, _) in zip(references, requests, results):
         assert tokens == reference[len(prompt) :]
     assert sum(last.accepted_tokens for _, last in results) > 30  # of 177 possible
+
+
+async def test_each_step_after_the_first_carries_the_loops_cadence(qwen3_target_dir):
+    """The loop stamps every step with the seconds since the previous step's result reached
+    it (the cost the adaptive controller learns); a step after the loop sat idle has none."""
+    config = EngineConfig(target=str(qwen3_target_dir), max_num_seqs=4)
+    async with AsyncEngine(config) as engine:
+        stamped: list[tuple[float, float, float]] = []
+        engine.step_hooks.append(
+            lambda r: stamped.append((time.perf_counter(), r.cadence_seconds, r.step_seconds))
+        )
+        await run_all(engine, [(f"c{i}", [5 + i, 9, 11], 12, None, 0) for i in range(3)])
+        await asyncio.sleep(0.1)  # the loop idles
+        resumed = time.perf_counter()
+        await run_all(engine, [("late", [7, 9, 11], 6, None, 0)])
+    after_idle = next(i for i, (at, _, _) in enumerate(stamped) if at > resumed)
+    assert stamped[0][1] == 0.0 and stamped[after_idle][1] == 0.0
+    later = [s for i, s in enumerate(stamped) if i not in (0, after_idle)]
+    assert later and all(cadence > 0 for _, cadence, _ in later)
+    assert all(cadence < 0.1 for _, cadence, _ in later)  # no idle gap counted

@@ -525,6 +525,10 @@ class AdaptiveDepthPolicy:
             self.last_choice["predicted"] = self.cost.predict(
                 result.batch_size, depths, result.prefill_tokens, drafting
             )
+        elif self._pending_draft is not None:  # the step after it says nothing of its price
+            step, seconds = self._pending_draft
+            self._pending_draft = None
+            self.cost.observe(*step, seconds)
         if self.guard is not None:
             tokens = sum(len(o.tokens) for o in result.outcomes.values())
             # A catch-up counts here: a held batch never pays it, so the whole-loop comparison

@@ -462,6 +462,11 @@ def test_a_drafting_step_is_charged_its_cadence_and_the_lost_overlap_of_the_step
     first = 0.0242 + 0.0051 - 0.0129
     assert abs(policy.cost.predict_extra(8, 16) - (first + 0.2 * (0.0113 - first))) < 1e-9
     step(8, 0, 0.0, 0.0141)  # the loop idled before this step: no cadence, its forward
+    extra, plain = policy.cost.predict_extra(8, 16), policy.cost.predict_plain(8)
+    step(24, 8, 0.0300, 0.0204)
+    policy.observe(StepResult(batch_size=0, prefill_tokens=64, cadence_seconds=0.2))
+    assert policy._pending_draft is None  # charged as it was: the prefill step is not its
+    assert abs(policy.cost.predict_extra(8, 16) - (extra + 0.2 * (0.03 - plain - extra))) < 1e-9
     policy.observe(StepResult(batch_size=8, verify_tokens=8, forward_seconds=0.0129))
 
 

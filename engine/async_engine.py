@@ -352,11 +352,17 @@ class AsyncEngine:
             last_arrival = arrival
             self.step_count += 1
             self.last_result = result
-            for request in scheduler.apply(result):
-                self._emit(request)
-            self.metrics.on_step(
-                result, scheduler.last_depths, scheduler.last_parked, self.config.kv_cache_bytes
-            )
+            try:
+                for request in scheduler.apply(result):
+                    self._emit(request)
+                self.metrics.on_step(
+                    result, scheduler.last_depths, scheduler.last_parked, self.config.kv_cache_bytes
+                )
+            except Exception:  # a bug in handling one step must not hang every stream
+                log.exception("handling a step's result failed; failing the requests in flight")
+                self._fail_all()
+                last_arrival = None
+                continue
             self._record_queue()
             for hook in self.step_hooks:
                 hook(result)

@@ -607,3 +607,30 @@ async def test_each_step_after_the_first_carries_the_loops_cadence(qwen3_target_
     later = [s for i, s in enumerate(stamped) if i not in (0, after_idle)]
     assert later and all(cadence > 0 for _, cadence, _ in later)
     assert all(cadence < 0.1 for _, cadence, _ in later)  # no idle gap counted
+
+
+async def test_a_fault_in_handling_a_step_fails_the_requests_in_flight_not_the_engine(
+    qwen3_target_dir,
+):
+    """A bug in the loop's handling of a step's result (here the depth policy's observe)
+    ends the requests in flight with an error instead of leaving their streams hanging, and
+    the engine serves the next request."""
+
+    class BrokenOnce(FixedDepthPolicy):
+        calls = 0
+
+        def observe(self, result) -> None:
+            BrokenOnce.calls += 1
+            if BrokenOnce.calls == 3:
+                raise RuntimeError("a bug in the policy")
+
+    config = EngineConfig(target=str(qwen3_target_dir), max_num_seqs=4)
+    async with AsyncEngine(config, BrokenOnce(0)) as engine:
+        failed = await asyncio.wait_for(
+            run_all(engine, [(f"f{i}", [5 + i, 9, 11], 20, None, 0) for i in range(2)]), 60
+        )
+        assert all(last.finish_reason == "error" for _, last in failed)
+        ((tokens, last),) = await asyncio.wait_for(
+            run_all(engine, [("next", [7, 9, 11], 8, None, 0)]), 60
+        )
+        assert last.finish_reason == "length" and len(tokens) == 8

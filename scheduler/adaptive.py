@@ -525,10 +525,8 @@ class AdaptiveDepthPolicy:
             self.last_choice["predicted"] = self.cost.predict(
                 result.batch_size, depths, result.prefill_tokens, drafting
             )
-        elif self._pending_draft is not None:  # the step after it says nothing of its price
-            step, seconds = self._pending_draft
-            self._pending_draft = None
-            self.cost.observe(*step, seconds)
+        else:  # the step after a pending draft says nothing of its price
+            self._charge_pending_draft()
         if self.guard is not None:
             tokens = sum(len(o.tokens) for o in result.outcomes.values())
             # A catch-up counts here: a held batch never pays it, so the whole-loop comparison
@@ -566,18 +564,23 @@ class AdaptiveDepthPolicy:
         drafting = result.drafted_rows > 0
         step = (result.batch_size, result.verify_tokens, result.prefill_tokens, drafting)
         plain = result.verify_tokens <= result.batch_size
-        pending, self._pending_draft = self._pending_draft, None
-        if pending is not None:
-            if plain and loop_measured:
-                excess = seconds - self.cost.predict_plain(result.batch_size)
-                self.cost.observe(*pending[0], pending[1] + max(0.0, excess))
-                return seconds  # its own cadence is the drafting's, not a plain step's
-            self.cost.observe(*pending[0], pending[1])
+        if self._pending_draft is not None and plain and loop_measured:
+            self._charge_pending_draft(seconds - self.cost.predict_plain(result.batch_size))
+            return seconds  # its own cadence is the drafting's, not a plain step's
+        self._charge_pending_draft()
         if not plain and loop_measured:
             self._pending_draft = (step, seconds)
         else:
             self.cost.observe(*step, seconds)
         return seconds
+
+    def _charge_pending_draft(self, excess: float = 0.0) -> None:
+        """Teach the cost model the drafting step waiting for its successor (if any), plus
+        the successor's excess over a plain step when it ran without its lookahead."""
+        if self._pending_draft is not None:
+            step, seconds = self._pending_draft
+            self._pending_draft = None
+            self.cost.observe(*step, seconds + max(0.0, excess))
 
     def _held(self, batch: int) -> bool:
         """The guard holds this batch size plain (drafting measured slower there)."""

@@ -151,12 +151,21 @@ def add_bench_parser(sub: Any) -> None:
         "--compare runs flashbatch's server and mlx_lm.server on the same model.",
     )
     add_serve_arguments(serve)
+    report = steps.add_parser(
+        "report",
+        help="rewrite a bench run's results.md from its results.json (current report format)",
+        description="Re-render results.md (tables, paired-round verdicts) from results.json; "
+        "plots are left as they are.",
+    )
+    report.add_argument("results_dir", help="a folder written by `flashbatch bench run`")
     bench.set_defaults(func=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "run":
         from bench.suite import main
+    elif args.bench_command == "report":
+        from bench.report import main
     else:
         from bench.serve_load import main
     return main(args)

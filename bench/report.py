@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.paired import aims_table
+
 # How long each request runs: by default every engine ignores EOS (`--stop-at-eos`: not).
 REQUEST_LENGTH = {
     False: "every request `max_tokens` long (EOS ignored)",
@@ -99,6 +101,9 @@ def markdown_report(results: dict) -> str:
         status = "ok" if eng["status"] == "ok" else "**FAILED**: " + _cell(eng.get("error"))
         lines.append(f"| {eng['name']} | {_cell(eng.get('description', ''))} | {status} |")
     lines += ["", *summary_table(results)]
+    aims = aims_table(results)
+    if aims:
+        lines += ["", *aims]
     for workload, temperature in _cells(results):
         lines += [
             "",
@@ -243,3 +248,19 @@ def write_plots(results: dict, out_dir: Path) -> tuple[list[Path], str | None]:
         plt.close(fig)
         written.append(path)
     return written, None
+
+
+def main(args: Any) -> int:
+    """`flashbatch bench report DIR`: rewrite DIR/results.md from DIR/results.json."""
+    import json
+    import sys
+
+    folder = Path(args.results_dir)
+    source = folder / "results.json"
+    if not source.is_file():
+        print(f"no results.json in {folder}", file=sys.stderr)
+        return 2
+    report = markdown_report(json.loads(source.read_text()))
+    (folder / "results.md").write_text(report + "\n")
+    print(report)
+    return 0

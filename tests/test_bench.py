@@ -16,6 +16,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from bench.engines import BenchEngine
+from bench.paired import paired_ratio
 from bench.serve_load import (
     LoadConfig,
     ServerProcess,
@@ -110,6 +111,11 @@ def test_quick_suite_outputs_and_measured_numbers(tmp_path, qwen3_target_dir, dr
         "| 2 | flashbatch adaptive |" in markdown
         and "plots/throughput_completion_t0.png" in markdown
     )
+    # Adaptive against drafting off, paired round by round (bench/paired.py).
+    off = _rows(results)[("flashbatch off", 2)]
+    pair = paired_ratio([r["tok_s"] for r in adaptive["rounds"]],
+                        [r["tok_s"] for r in off["rounds"]])  # fmt: skip
+    assert pair.rounds == cfg.rounds and f"| completion | 0 | 2 | {pair.text()} |" in markdown
 
     rows = _rows(results)
     # Failing engines are rows with their error, at every concurrency they would have run at.

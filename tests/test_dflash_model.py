@@ -201,3 +201,46 @@ def test_cpu_kernels_give_the_same_block_outputs(drafter_dir):
     for a, b in zip(stock, fast):
         assert mx.allclose(a, b, atol=ATOL).item()
     assert not load_dflash_model(drafter_dir).layers[0].self_attn.cpu_kernels
+
+
+def test_a_long_backlog_is_written_first_and_drafts_as_if_padded_with_the_rest(
+    qwen3_target_dir, drafter_dir, monkeypatch
+):
+    """A proposal pads its rows' pending context to the longest: one request's prompt beside
+    rows with a step's backlog is written by a forward of its own first, so the proposal runs
+    3 x 2 context positions, not 3 x 200, and drafts the same tokens as one padded forward."""
+    from drafters.dflash import drafter as drafter_module
+
+    assert drafter_module.backlogs_to_write_first([2, 200, 1], ["a", "b", "c"]) == ["b"]
+    assert drafter_module.backlogs_to_write_first([20, 24, 30], ["a", "b", "c"]) == []
+    assert drafter_module.backlogs_to_write_first([], []) == []
+    _, feats = load_pair(qwen3_target_dir, drafter_dir).target(
+        mx.array([[3 + i % 40 for i in range(200)]])
+    )
+
+    def propose(split: bool):
+        if not split:
+            monkeypatch.setattr(drafter_module, "backlogs_to_write_first", lambda c, s: [])
+        pair = load_pair(qwen3_target_dir, drafter_dir)
+        drafter = pair.drafter
+        sessions = [drafter.open() for _ in range(3)]
+        for s, n in zip(sessions, (2, 200, 1)):
+            drafter.commit(s, feats[0, :n])
+        widths = []
+        real_append = drafter.model.append_context
+
+        def counted(features, counts, cache):
+            widths.append(features.shape[:2])
+            real_append(features, counts, cache)
+
+        monkeypatch.setattr(drafter.model, "append_context", counted)
+        out = drafter.propose(sessions, [7, 8, 9], [3, 3, 3])
+        monkeypatch.undo()
+        assert [s.context_rows for s in sessions] == [2, 200, 1]
+        return out, widths
+
+    split, split_widths = propose(True)
+    padded, padded_widths = propose(False)
+    assert split_widths == [(1, 200), (3, 2)] and padded_widths == [(3, 200)]
+    assert split.tokens.tolist() == padded.tokens.tolist()
+    assert mx.allclose(split.probs, padded.probs, atol=ATOL)

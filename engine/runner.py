@@ -283,6 +283,11 @@ class ModelRunner:
         if result.first_tokens:
             self._settle_cache()  # the join's copies belong to this step, not to the next
         result.lookup_matches = {r: self.states[r].lookup_match for r in self.rows}
+        result.draft_backlogs = {
+            r: self.states[r].session.pending_rows
+            for r in self.rows
+            if self.states[r].session is not None
+        }
         if early is not None and self._lookup_due(plan.lookup_watch):
             self._unbuild(early)  # the next step will likely draft: never run it
             early = None

@@ -88,6 +88,7 @@ PROBE_ROWS = 2  # rows a probe drafts for (packed verify; padded probes every ro
 # The most of the decoding time probing may take: a source is probed at most once every
 # (a probe's predicted extra over a plain step) / (PROBE_BUDGET x a plain step) steps.
 PROBE_BUDGET = 0.03
+CATCHUP_ALPHA = 0.2  # EWMA step of the learned seconds per drafter backlog row
 
 
 GREEDY = "greedy"  # the acceptance group of T=0 requests, and of requests never enrolled
@@ -400,7 +401,14 @@ class AdaptiveDepthPolicy:
         self._idle = {DFLASH: 0, LOOKUP: 0}  # steps since the source last drafted any row
         self._steps_parked = 0
         self._probing: str | None = None  # the source the step just chosen probes
+        # Seconds a drafter forward spends per backlog row it writes (learned from catch-ups),
+        # and the backlog rows the next DFlash probe would write (its rows' unwritten prompt
+        # and the steps they sat out): a probe's price includes that catch-up.
+        self.catchup_row_seconds = 0.0
+        self._catchups_seen = 0
+        self._probe_backlog = 0
         self._usable: set[str] = set()  # sources some row could draft from on the last step
+        self._probed_sources: set[str] = set()  # every source ever usable: they share the budget
         self._steps = 0
         self._last_drafted: dict[str, int] = {}  # request id -> step it last drafted
         self._active: set[str] = set()
@@ -442,6 +450,7 @@ class AdaptiveDepthPolicy:
                     model.enroll(r.request_id, group)
         caps = {r.request_id: self._caps(r, options[r.request_id]) for r in requests}
         self._usable = {s for cap in caps.values() for s in cap}
+        self._probed_sources |= self._usable
         max_depth = max((c for cap in caps.values() for c in cap.values()), default=0)
         # Drafting is judged against the plain step of this batch size: measure that first
         # (one plain step). Else, with drafts chosen from the first step at a new size, the
@@ -527,6 +536,8 @@ class AdaptiveDepthPolicy:
             )
         else:  # the step after a pending draft says nothing of its price
             self._charge_pending_draft()
+            if result.batch_size:
+                self._learn_catchup(result)
         if self.guard is not None:
             tokens = sum(len(o.tokens) for o in result.outcomes.values())
             # A catch-up counts here: a held batch never pays it, so the whole-loop comparison
@@ -573,6 +584,22 @@ class AdaptiveDepthPolicy:
         else:
             self.cost.observe(*step, seconds)
         return seconds
+
+    def _learn_catchup(self, result: StepResult) -> None:
+        """Learn what a drafter backlog row costs from a catch-up step: its seconds beyond
+        what the cost model predicts for the same step without one, per row written."""
+        loop_measured = result.cadence_seconds > 0 and not result.prefill_tokens
+        seconds = (
+            result.cadence_seconds
+            if loop_measured
+            else (result.forward_seconds or result.step_seconds)
+        )
+        depths = [o.drafted for o in result.outcomes.values()]
+        predicted = self.cost.predict(result.batch_size, depths, result.prefill_tokens, True)
+        per_row = max(0.0, seconds - predicted) / result.draft_context_rows
+        step = CATCHUP_ALPHA if self._catchups_seen else 1.0
+        self.catchup_row_seconds += step * (per_row - self.catchup_row_seconds)
+        self._catchups_seen += 1
 
     def _charge_pending_draft(self, excess: float = 0.0) -> None:
         """Teach the cost model the drafting step waiting for its successor (if any), plus
@@ -737,27 +764,31 @@ class AdaptiveDepthPolicy:
 
     def probe_floor(self, source: str) -> int:
         """Fewest steps between two probes of `source` that keep probing within PROBE_BUDGET
-        of the time: a probe's predicted extra over a plain step of the latest batch, over
-        the budget's share of that plain step (PROBE_START at least, PROBE_MAX at most)."""
+        of the time, all sources together: a probe's predicted extra over a plain step of the
+        latest batch (for DFlash, with the catch-up its rows' backlogs cost), over this
+        source's share of the budget of that plain step (PROBE_START at least, PROBE_MAX at
+        most). The sources ever usable share the budget: each had all of it, so a hybrid could
+        probe twice the budget."""
         batch = self._last_batch
         rows = min(PROBE_ROWS, batch) if self.cost.packed else batch
         plain = self.cost.predict_plain(batch)
         probe = self.cost.predict(batch, [1] * rows + [0] * (batch - rows),
                                   drafting=source == DFLASH)  # fmt: skip
-        steps = math.ceil((probe - plain) / (PROBE_BUDGET * plain))
+        if source == DFLASH:  # and the catch-up of the rows it would probe
+            probe += self.catchup_row_seconds * self._probe_backlog
+        budget = PROBE_BUDGET / max(1, len(self._probed_sources))
+        steps = math.ceil((probe - plain) / (budget * plain))
         return min(PROBE_MAX, max(PROBE_START, steps))
 
     def _park_or_probe(self, requests: list[Request], caps: dict[str, dict[str, int]],
                        reason: str) -> tuple[dict[str, int], dict[str, str]]:  # fmt: skip
         self._steps_parked += 1
+        backlog = {r.request_id: r.draft_backlog for r in requests}
+        self._probe_backlog = sum(backlog[rid] for rid in self._probe_rows(caps, DFLASH))
         source = self._due_probe()
         if source is not None:
             self._probing = source
-            # Packed, a probe drafts one position for the few rows that drafted least recently,
-            # so every request is re-measured in turn at the cost of a few positions.
-            eligible = [r.request_id for r in requests if source in caps[r.request_id]]
-            eligible.sort(key=lambda rid: self._last_drafted.get(rid, -1))
-            probed = eligible[:PROBE_ROWS] if self.cost.packed else eligible
+            probed = self._probe_rows(caps, source)
             return {r.request_id: int(r.request_id in probed) for r in requests}, dict.fromkeys(
                 probed, source
             )
@@ -766,6 +797,14 @@ class AdaptiveDepthPolicy:
             useless = all(self.models[s].useful_depth(rid) == 0 for s in caps[rid])
             self.parked_reasons[rid] = "low_acceptance" if useless else reason
         return {r.request_id: 0 for r in requests}, {}
+
+    def _probe_rows(self, caps: dict[str, dict[str, int]], source: str) -> list[str]:
+        """The rows a probe of `source` drafts for. Packed: one position for the few rows that
+        drafted least recently, so every request is re-measured in turn at the cost of a few
+        positions; padded: every row that may."""
+        eligible = [rid for rid, cap in caps.items() if source in cap]
+        eligible.sort(key=lambda rid: self._last_drafted.get(rid, -1))
+        return eligible[:PROBE_ROWS] if self.cost.packed else eligible
 
     def wants_lookup(self, request_id: str) -> bool:
         """Would a lookup match for this request likely be drafted? (See `lookup_wanted`.)"""
@@ -833,6 +872,7 @@ class AdaptiveDepthPolicy:
             "cost_samples": self.cost.samples,
             "probe_interval": dict(self._probe_interval),
             "probe_floor": {s: self.probe_floor(s) for s in self._probe_interval},
+            "catchup_row_seconds": self.catchup_row_seconds,
             "steps_parked": self._steps_parked,
             "last_choice": self.last_choice,
             "guard": self.guard.state() if self.guard is not None else None,

@@ -88,6 +88,9 @@ class StepResult:
     lookup_rows: int = 0  # rows verifying lookup drafts (no forward of their own)
     # Every decoding row's lookup match length for its next step (0: no match).
     lookup_matches: dict[str, int] = field(default_factory=dict)
+    # Every decoding row's DFlash backlog: the feature rows its session holds unwritten, which
+    # its next DFlash proposal writes first (its prompt, then every step it sat out).
+    draft_backlogs: dict[str, int] = field(default_factory=dict)
     prefill_tokens: int = 0
     step_seconds: float = 0.0
     forward_seconds: float = 0.0  # drafter + target + sampling up to the sync

@@ -35,6 +35,7 @@ class Request:
     drafted_by: dict[str, int] = field(default_factory=dict)  # per draft source
     accepted_by: dict[str, int] = field(default_factory=dict)
     lookup_match: int = 0  # the latest step's lookup match length (for the next plan)
+    draft_backlog: int = 0  # feature rows its DFlash session holds unwritten (latest step)
     # timestamps (time.monotonic) for metrics
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None

@@ -311,6 +311,10 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None:
                 request.lookup_match = match
+        for request_id, backlog in result.draft_backlogs.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.draft_backlog = backlog
         for request_id, entries in result.prompt_logprobs.items():
             request = self.requests.get(request_id)
             if request is not None and request.prompt_logprobs is not None:

@@ -13,6 +13,7 @@ from engine.sampling import SamplingParams
 from engine.stopping import StopChecker
 from scheduler.adaptive import (
     PRIOR_ACCEPTANCE,
+    PROBE_BUDGET,
     PROBE_MAX,
     PROBE_ROWS,
     AcceptanceModel,
@@ -21,6 +22,7 @@ from scheduler.adaptive import (
 )
 from scheduler.plan import RowOutcome, StepResult
 from scheduler.request import Request
+from scheduler.sources import DFLASH, LOOKUP, DraftOptions
 
 DECAYING = [0.90, 0.82, 0.72, 0.60, 0.48, 0.40, 0.35, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3]
 
@@ -590,3 +592,45 @@ def test_a_drafter_catch_up_teaches_the_cost_model_nothing():
     assert policy.cost.predict(1, [3], drafting=True) == learned
     step(context_rows=4, seconds=0.500)  # as slow without a catch-up: that is learned
     assert policy.cost.predict(1, [3], drafting=True) > learned
+
+
+def test_a_dflash_probe_is_priced_with_the_catch_up_of_the_rows_it_probes():
+    """A parked DFlash probe drafts for the rows that drafted least recently, and their first
+    proposal writes their backlog (the prompt, the steps they sat out). The controller learns
+    a backlog row's cost from catch-up steps and spaces probes so that, catch-ups included,
+    they stay within PROBE_BUDGET of the time."""
+    policy = AdaptiveDepthPolicy(warmup_steps=0)
+    requests = make_requests(8)
+
+    def step(verify_tokens: int, drafted_rows: int, context_rows: int, seconds: float) -> None:
+        outcomes = {r.request_id: RowOutcome([1], 0, 0) for r in requests}
+        for r in requests[:drafted_rows]:
+            outcomes[r.request_id] = RowOutcome([1], 1, 0, "dflash")
+        policy.observe(StepResult(outcomes=outcomes, batch_size=8, verify_tokens=verify_tokens,
+                                  drafted_rows=drafted_rows, draft_context_rows=context_rows,
+                                  forward_seconds=seconds))  # fmt: skip
+
+    for _ in range(4):
+        step(8, 0, 0, 0.010)  # plain steps of 10 ms
+    step(10, 2, 4, 0.013)  # a probe of two rows without a backlog: 3 ms more
+    assert policy.catchup_row_seconds == 0.0
+    floor_without = policy.probe_floor("dflash")
+    assert abs(floor_without - 0.003 / (PROBE_BUDGET * 0.010)) <= 1  # (rounded up)
+    step(10, 2, 400, 0.053)  # the same writing 400 backlog rows: 40 ms more, 0.1 ms a row
+    assert abs(policy.catchup_row_seconds - 1e-4) < 1e-9
+    assert policy.cost.predict(8, [1, 1] + [0] * 6, drafting=True) < 0.0131  # one-off: not here
+
+    for r in requests:  # parked (nothing accepted) with a prompt of 150 rows each unwritten
+        r.draft_backlog = 150
+        for model in policy.models.values():
+            model.per_request[r.request_id] = [0.0] * policy.max_depth
+    policy.choose(requests, 3)
+    floor = policy.state()["probe_floor"]["dflash"]
+    assert abs(floor - (0.003 + 300 * 1e-4) / (PROBE_BUDGET * 0.010)) <= 1
+    assert floor > 10 * floor_without
+    assert policy.probe_floor("lookup") <= floor_without  # lookup writes no backlog
+    # Once lookup is usable too, the two sources share the budget: each probes half as often.
+    both = DraftOptions((DFLASH, LOOKUP), 4, {DFLASH: 3, LOOKUP: 3})
+    policy.choose_drafts(requests, dict.fromkeys((r.request_id for r in requests), both))
+    shared = (0.003 + 300 * 1e-4) / (PROBE_BUDGET / 2 * 0.010)
+    assert abs(policy.probe_floor(DFLASH) - shared) <= 1

@@ -282,6 +282,10 @@ async def test_switching_sources_keeps_the_dflash_session_in_sync():
     first = next(i for i, r in enumerate(steps) if r.drafted_rows)
     others = [r for r in steps[first:] if r.batch_size and not r.drafted_rows]
     assert others and all(r.draft_context_rows == 0 for r in others)
+    # Each step reports the row's DFlash backlog; the next DFlash proposal writes exactly it.
+    pairs = [(a, b) for a, b in zip(steps, steps[1:]) if b.drafted_rows and a.draft_backlogs]
+    assert len(pairs) >= 3
+    assert all(b.draft_context_rows == sum(a.draft_backlogs.values()) for a, b in pairs)
     assert tokens == plain_greedy(pair.target.model, prompt, 48)
     assert last.drafted_by_source.get(LOOKUP, 0) > 0 and len(proposals) >= 4
     assert len(proposals) == len(policy.dflash_contexts)

@@ -162,7 +162,8 @@ def test_scheduler_gives_lookup_only_to_matching_rows_within_each_requests_sourc
         scheduler.requests[rid] = request
         scheduler.running.append(request)
     matches = {"a": 3, "b": 2, "c": 4, "d": 0, "e": 4}
-    scheduler.apply(StepResult(lookup_matches=matches))
+    scheduler.apply(StepResult(lookup_matches=matches, draft_backlogs={"a": 40, "c": 2}))
+    assert [scheduler.requests[r].draft_backlog for r in "abc"] == [40, 0, 2]
     plan = scheduler.plan()
     assert plan.sources == {"a": LOOKUP, "b": LOOKUP, "c": DFLASH}
     assert plan.depths == {"a": 4, "b": 4, "c": 4, "d": 0, "e": 0}

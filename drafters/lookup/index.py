@@ -73,6 +73,11 @@ class NGramIndex:
         that followed its latest earlier occurrence; (0, -1) when no suffix of at least min_n
         tokens occurred before."""
         tokens, length = self.tokens, len(self.tokens)
+        # An n-gram seen before with a continuation ends in a min_n-gram seen before with the
+        # same continuation: when the shortest suffix has no match, none has (one lookup,
+        # not max_n - min_n + 1; most rows on most steps, on the runner's critical path).
+        if length < self.min_n or tuple(tokens[length - self.min_n :]) not in self._tables[0]:
+            return 0, -1
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             position = self._tables[n - self.min_n].get(tuple(tokens[length - n :]))
             if position is not None:

@@ -568,10 +568,7 @@ class AdaptiveDepthPolicy:
         only once the next step has shown it. Priced by their forwards alone, drafts that cost
         2.3 plain steps of the loop's time looked like 1.4 and were taken for 1.9 steps' tokens.
         """
-        seconds = result.forward_seconds or result.step_seconds
-        loop_measured = result.cadence_seconds > 0 and not result.prefill_tokens
-        if loop_measured:
-            seconds = result.cadence_seconds
+        seconds, loop_measured = self._step_seconds(result)
         drafting = result.drafted_rows > 0
         step = (result.batch_size, result.verify_tokens, result.prefill_tokens, drafting)
         plain = result.verify_tokens <= result.batch_size
@@ -585,15 +582,19 @@ class AdaptiveDepthPolicy:
             self.cost.observe(*step, seconds)
         return seconds
 
+    @staticmethod
+    def _step_seconds(result: StepResult) -> tuple[float, bool]:
+        """What a step cost (see `_observe_cost`): its cadence where the loop measured one on
+        a step without prefill, else its forward's time; and whether the loop measured it."""
+        loop_measured = result.cadence_seconds > 0 and not result.prefill_tokens
+        if loop_measured:
+            return result.cadence_seconds, True
+        return result.forward_seconds or result.step_seconds, False
+
     def _learn_catchup(self, result: StepResult) -> None:
         """Learn what a drafter backlog row costs from a catch-up step: its seconds beyond
         what the cost model predicts for the same step without one, per row written."""
-        loop_measured = result.cadence_seconds > 0 and not result.prefill_tokens
-        seconds = (
-            result.cadence_seconds
-            if loop_measured
-            else (result.forward_seconds or result.step_seconds)
-        )
+        seconds, _ = self._step_seconds(result)
         depths = [o.drafted for o in result.outcomes.values()]
         predicted = self.cost.predict(result.batch_size, depths, result.prefill_tokens, True)
         per_row = max(0.0, seconds - predicted) / result.draft_context_rows

@@ -243,12 +243,13 @@ class ModelRunner:
             self.blas.fit(prefill_tokens + len(self.rows) + sum(plan.depths.values()))
 
         self._draft_seconds = 0.0
-        decode, ahead_seconds = None, 0.0
+        decode, ahead_seconds, discarded_seconds = None, 0.0, 0.0
         if lookahead is not None and not any(plan.depths.get(r, 0) for r in self.rows):
             decode = lookahead.decode
             ahead_seconds = lookahead.build_seconds + lookahead.eval_seconds
         elif lookahead is not None:
             self._discard(lookahead)
+            discarded_seconds = lookahead.build_seconds + lookahead.eval_seconds
         # Prefill chunks ride in the rows' packed forward where they can (one forward, not
         # one per join); the rest run on their own first.
         riding, apart = self._split_prefills(plan.prefills, rows_forward=decode is None)
@@ -270,7 +271,7 @@ class ModelRunner:
         self._to_eval = []
         computed = time.perf_counter()
 
-        result = StepResult(prefill_tokens=prefill_tokens)
+        result = StepResult(prefill_tokens=prefill_tokens, discarded_seconds=discarded_seconds)
         if decode is not None:
             self._commit(decode, result)
         result.first_tokens = {r: int(token.item()) for r, token in first_tokens.items()}
@@ -296,6 +297,7 @@ class ModelRunner:
             self._lookahead = early
         elif plan.lookahead and self.rows and not self._lookup_due(plan.lookup_watch):
             self._lookahead = self._launch_lookahead()
+        result.looked_ahead = self._lookahead is not None
         result.kv_bytes = self.kv_bytes
         finished = time.perf_counter()
         # A used lookahead was built and computed before this call (overlapped with the

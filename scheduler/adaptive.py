@@ -63,6 +63,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,11 +85,13 @@ REQUEST_PRIOR_WEIGHT = 2.0
 MIN_MARGINAL = 0.02  # a draft position is useless once its acceptance chance falls below this
 PROBE_START, PROBE_MAX = 4, 512
 UNPARK_MARGIN = 0.03  # predicted goodput gain needed to start drafting again once parked
+PARKED_REUSE = 4  # a parked verdict serves this many steps when nothing it saw changed
 PROBE_ROWS = 2  # rows a probe drafts for (packed verify; padded probes every row)
 # The most of the decoding time probing may take: a source is probed at most once every
 # (a probe's predicted extra over a plain step) / (PROBE_BUDGET x a plain step) steps.
 PROBE_BUDGET = 0.03
 CATCHUP_ALPHA = 0.2  # EWMA step of the learned seconds per drafter backlog row
+DISCARD_ALPHA = 0.2  # EWMA step of a thrown-away lookahead's share of a plain step
 
 
 GREEDY = "greedy"  # the acceptance group of T=0 requests, and of requests never enrolled
@@ -231,6 +234,10 @@ class CostCurve:
         self.mean: dict[int, float] = {}
         self.deviation: dict[int, float] = {}
         self.count: dict[int, int] = {}
+        # The measured buckets in order, and their centers (predict runs per candidate, per
+        # step: it bisects these instead of sorting the buckets every call).
+        self._known: list[int] = []
+        self._centers: list[float] = []
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -244,6 +251,8 @@ class CostCurve:
         b = self.bucket(rows)
         if b not in self.mean:
             self.mean[b], self.deviation[b], self.count[b] = seconds, 0.1 * seconds, 1
+            self._known = sorted(self.mean)
+            self._centers = [self.center(k) for k in self._known]
             return
         delta, alpha = seconds - self.mean[b], self.alpha
         if self.one_sided and delta < 0:
@@ -258,24 +267,22 @@ class CostCurve:
     def predict(self, rows: int) -> float | None:
         if not self.mean:
             return None
-        known = sorted(self.mean)
-        x = float(max(rows, 1))
         b = self.bucket(rows)
         if b in self.mean:
             return self.mean[b]
-        lower = [k for k in known if self.center(k) < x]
-        upper = [k for k in known if self.center(k) > x]
-        if lower and upper:
-            lo, hi = lower[-1], upper[0]
-            t = (x - self.center(lo)) / (self.center(hi) - self.center(lo))
+        known, centers, x = self._known, self._centers, float(max(rows, 1))
+        above = bisect.bisect_left(centers, x)  # known[:above] lie below x, the rest above
+        if 0 < above < len(known):
+            lo, hi = known[above - 1], known[above]
+            t = (x - centers[above - 1]) / (centers[above] - centers[above - 1])
             return self.mean[lo] + t * (self.mean[hi] - self.mean[lo])
-        if upper:
-            return self.mean[upper[0]]
+        if above == 0:
+            return self.mean[known[0]]
         if len(known) == 1:
             return self.mean[known[0]]
         a, c = known[-2], known[-1]
-        slope = max(0.0, (self.mean[c] - self.mean[a]) / (self.center(c) - self.center(a)))
-        return self.mean[c] + slope * (x - self.center(c))
+        slope = max(0.0, (self.mean[c] - self.mean[a]) / (centers[-1] - centers[-2]))
+        return self.mean[c] + slope * (x - centers[-1])
 
     def measured(self, rows: int) -> bool:
         return self.bucket(rows) in self.mean
@@ -324,17 +331,26 @@ class CostModel:
         return seconds if seconds is not None else 1.0
 
     def predict_extra(self, batch: int, extra: int, drafting: bool = True) -> float:
-        if extra <= 0:
-            return 0.0
+        return self.extra_pricer(batch, drafting)(extra)
+
+    def extra_pricer(self, batch: int, drafting: bool = True) -> Callable[[int], float]:
+        """`predict_extra` for one batch size and drafter flag, its curve found once (the
+        controller prices every candidate of a step with the same one)."""
         bucket = _batch_bucket(batch)
         known = [b for (b, d), c in self.extra.items() if d == drafting and c.mean]
         if known:  # this batch size's curve, else the nearest one measured
             nearest = min(known, key=lambda b: (abs(b - bucket), -b))
-            return max(0.0, self.extra[(nearest, drafting)].predict(extra))
+            curve = self.extra[(nearest, drafting)]
+            return lambda extra: max(0.0, curve.predict(extra)) if extra > 0 else 0.0
         if drafting:  # unmeasured: as without the drafter (optimistic, so it gets explored)
-            return self.predict_extra(batch, extra, False)
+            return self.extra_pricer(batch, False)
         # Verify positions alone, unmeasured: as that many more plain rows.
-        return max(0.0, self.predict_plain(batch + extra) - self.predict_plain(batch))
+        plain = self.predict_plain(batch)
+
+        def as_more_rows(extra: int) -> float:
+            return max(0.0, self.predict_plain(batch + extra) - plain) if extra > 0 else 0.0
+
+        return as_more_rows
 
     def predict(self, batch: int, depths: list[int], prefill_tokens: int = 0,
                 drafting: bool = True) -> float:  # fmt: skip
@@ -372,6 +388,11 @@ class CostModel:
         curve = self.extra.setdefault(key, CostCurve(clamp=math.inf))
         curve.observe(extra, max(0.0, seconds - plain))
 
+    def measured_drafting(self, batch: int) -> bool:
+        """Has a step with a drafter forward been measured at this batch size's octave?"""
+        curve = self.extra.get((_batch_bucket(batch), True))
+        return curve is not None and bool(curve.mean)
+
     def explore_limit(self, batch: int) -> int:
         """The most extra positions worth trying now: packed, twice the most measured and at
         least one per row (with nobody waiting, only drafting for every row may pay); padded,
@@ -405,8 +426,17 @@ class AdaptiveDepthPolicy:
         # and the backlog rows the next DFlash probe would write (its rows' unwritten prompt
         # and the steps they sat out): a probe's price includes that catch-up.
         self.catchup_row_seconds = 0.0
-        self._catchups_seen = 0
+        self._catchup_seconds = self._catchup_rows = 0.0  # decayed sums it is the ratio of
         self._probe_backlog = 0
+        self._chosen_backlog = 0  # the backlog rows the step just chosen writes (DFlash rows)
+        # A plain step launched ahead after the last step (the runner says): drafting now
+        # throws it away, a forward's worth of work, so a drafting choice pays for it too.
+        # Its price is learned as a share of a plain step (at first a whole one).
+        self._lookahead_pending = False
+        self._parked_signature: tuple | None = None  # what the last parking valuation saw
+        self._reuse_left = 0
+        self.discard_share = 1.0
+        self._discards_seen = 0
         self._usable: set[str] = set()  # sources some row could draft from on the last step
         self._probed_sources: set[str] = set()  # every source ever usable: they share the budget
         self._steps = 0
@@ -463,6 +493,16 @@ class AdaptiveDepthPolicy:
                 self.last_choice = {"width": 0, "positions": 0, "exploring": False,
                                     "reason": "measuring_plain"}  # fmt: skip
             return {r.request_id: 0 for r in requests}, {}
+        backlogs = {r.request_id: max(0, r.draft_backlog - 1) for r in requests}
+        # A parked batch whose rows and usable sources are those of the last valuation (and
+        # as many requests wait) is parked again without valuing every candidate, for up to
+        # PARKED_REUSE - 1 steps: while parked nothing is observed that moves acceptance, and
+        # the valuation's Python runs beside the lookahead's forward, slowing it.
+        signature = (self._waiting, tuple((rid, tuple(cap)) for rid, cap in caps.items()))
+        if self._steps_parked and self._reuse_left and signature == self._parked_signature:
+            self._reuse_left -= 1
+            choice, sources = self._park_or_probe(requests, caps, reason="not_worth_it")
+            return self._settle(choice, sources, backlogs, exploring=False, table=None)
         limit = self.cost.explore_limit(batch)
         if self.cost.samples < self.warmup_steps:
             limit = 0 if self.cost.samples == 0 else 1
@@ -480,43 +520,65 @@ class AdaptiveDepthPolicy:
         # Leaving the parked state takes a clear predicted gain: a noisy cost estimate must
         # not pull a parked batch back into drafting step after step.
         margin = 1.0 + (UNPARK_MARGIN if self._steps_parked else 0.0001)
+        # What any drafting choice costs beyond its positions: the plain step looked ahead
+        # (thrown away), and each DFlash row's backlog its drafter forward writes first.
+        discard = self.discard_share * plain if self._lookahead_pending else 0.0
+        extra_cost = {d: self.cost.extra_pricer(batch, d) for d in (False, True)}
         best, best_rate, best_extra = None, plain_rate, 0
-        table = [(0, round(plain_value, 5), round(plain, 5), False)]
+        table = [(0, plain_value, plain, False)]  # rounded only when read (state())
         for allow_dflash in scenarios:
-            for extra, expected, drafting, picks in self._candidates(
-                gains, allow_dflash, max_depth, limit
+            for extra, expected, drafting, backlog, picks in self._candidates(
+                gains, allow_dflash, max_depth, limit, backlogs
             ):
                 if value_of is not None:
                     expected = value_of(self._expected(gains, *picks()))
-                cost = plain + self.cost.predict_extra(batch, extra, drafting)
+                cost = plain + extra_cost[drafting](extra) + discard
+                cost += self.catchup_row_seconds * backlog
                 rate = expected / cost
-                table.append((extra, round(expected, 5), round(cost, 5), drafting))
+                table.append((extra, expected, cost, drafting))
                 if rate >= plain_rate * margin and rate > best_rate * 1.0001:
                     best, best_rate, best_extra = picks, rate, extra
         choice, sources = best() if best is not None else ({r.request_id: 0 for r in requests}, {})
         exploring = best_extra >= limit > 0
         if not any(choice.values()):
+            self._parked_signature, self._reuse_left = signature, PARKED_REUSE - 1
             choice, sources = self._park_or_probe(requests, caps, reason="not_worth_it")
         else:
             self._steps_parked = 0
             for source in set(sources.values()):  # chosen on its merits: probe it soon again
                 self._probe_interval[source] = PROBE_START
+        return self._settle(choice, sources, backlogs, exploring, table[:64])
+
+    def _settle(
+        self, choice: dict[str, int], sources: dict[str, str], backlogs: dict[str, int],
+        exploring: bool, table: list | None,
+    ) -> tuple[dict[str, int], dict[str, str]]:  # fmt: skip
+        """Book a step's choice (idle counters, the rows that drafted, what it writes, the
+        explanation; `table` None: the last valuation's candidates stand) and return it."""
         self._count_idle(sources)
+        self._chosen_backlog = sum(
+            backlogs[rid] for rid, source in sources.items() if source == DFLASH and choice[rid]
+        )
         for request_id, depth in choice.items():
             if depth:
                 self._last_drafted[request_id] = self._steps
         self.last_sources = dict(sources)
+        if table is None:
+            table = self.last_choice.get("candidates", [])
         self.last_choice = {
             "width": max(choice.values(), default=0),
             "positions": sum(choice.values()),
             "exploring": exploring,
-            "candidates": table[:64],
+            "candidates": table,
             "depths": dict(choice),
             "sources": dict(sources),
         }
         return choice, sources
 
     def observe(self, result: StepResult) -> None:
+        self._lookahead_pending = result.looked_ahead
+        if result.discarded_seconds and result.batch_size:
+            self._learn_discard(result)
         for request_id, outcome in result.outcomes.items():
             self._active.add(request_id)
             if outcome.drafted:
@@ -587,6 +649,9 @@ class AdaptiveDepthPolicy:
         """What a step cost (see `_observe_cost`): its cadence where the loop measured one on
         a step without prefill, else its forward's time; and whether the loop measured it."""
         loop_measured = result.cadence_seconds > 0 and not result.prefill_tokens
+        if loop_measured and result.discarded_seconds:  # less the lookahead it threw away
+            spent = result.cadence_seconds - result.discarded_seconds  # (priced at the choice)
+            return max(spent, result.forward_seconds), True
         if loop_measured:
             return result.cadence_seconds, True
         return result.forward_seconds or result.step_seconds, False
@@ -594,13 +659,29 @@ class AdaptiveDepthPolicy:
     def _learn_catchup(self, result: StepResult) -> None:
         """Learn what a drafter backlog row costs from a catch-up step: its seconds beyond
         what the cost model predicts for the same step without one, per row written."""
+        if not self.cost.measured_drafting(result.batch_size):
+            # Nothing to subtract the drafter forward's own cost from: the first catch-up at
+            # a batch size read a 6 ms drafter forward as 0.36 ms for each of its 18 rows.
+            return
         seconds, _ = self._step_seconds(result)
         depths = [o.drafted for o in result.outcomes.values()]
         predicted = self.cost.predict(result.batch_size, depths, result.prefill_tokens, True)
-        per_row = max(0.0, seconds - predicted) / result.draft_context_rows
-        step = CATCHUP_ALPHA if self._catchups_seen else 1.0
-        self.catchup_row_seconds += step * (per_row - self.catchup_row_seconds)
-        self._catchups_seen += 1
+        rows = self._chosen_backlog or result.draft_context_rows
+        # A ratio of decayed sums, not a mean of per-row ratios: a catch-up of a few rows
+        # divides the cost model's error by a few, and one such read 0.2 ms a row (a context
+        # row costs ~10 us), which priced every fresh request's prompt out of drafting.
+        keep = 1.0 - CATCHUP_ALPHA
+        self._catchup_seconds = self._catchup_seconds * keep + max(0.0, seconds - predicted)
+        self._catchup_rows = self._catchup_rows * keep + rows
+        self.catchup_row_seconds = self._catchup_seconds / self._catchup_rows
+
+    def _learn_discard(self, result: StepResult) -> None:
+        """Learn what a thrown-away lookahead costs, as a share of a plain step of its batch
+        (the runner timed its build and compute)."""
+        share = result.discarded_seconds / self.cost.predict_plain(result.batch_size)
+        step = DISCARD_ALPHA if self._discards_seen else 1.0
+        self.discard_share += step * (min(share, 2.0) - self.discard_share)
+        self._discards_seen += 1
 
     def _charge_pending_draft(self, excess: float = 0.0) -> None:
         """Teach the cost model the drafting step waiting for its successor (if any), plus
@@ -665,10 +746,10 @@ class AdaptiveDepthPolicy:
         return picks
 
     def _candidates(self, gains: dict[str, dict[str, list[float]]], allow_dflash: bool,
-                    max_depth: int, limit: int):  # fmt: skip
-        """(extra positions, expected committed tokens, drafter forward?, picks thunk ->
-        (depths, sources)) of the drafting choices worth comparing, in growing order of extra
-        positions up to `limit`."""
+                    max_depth: int, limit: int, backlogs: dict[str, int]):  # fmt: skip
+        """(extra positions, expected committed tokens, drafter forward?, backlog rows its
+        DFlash rows write first, picks thunk -> (depths, sources)) of the drafting choices
+        worth comparing, in growing order of extra positions up to `limit`."""
         if not self.cost.packed:  # padded: one width for everyone, capped per row
             for width in range(1, max_depth + 1):
                 picks = self._picks_at(gains, width, allow_dflash)
@@ -679,7 +760,8 @@ class AdaptiveDepthPolicy:
                 expected = sum(e for _, _, e in picks.values())
                 drafting = any(s == DFLASH and d for s, d, _ in picks.values())
                 sources = {rid: s for rid, (s, d, _) in picks.items() if d}
-                yield extra, expected, drafting, lambda d=depths, s=sources: (d, s)
+                backlog = sum(backlogs[rid] for rid, s in sources.items() if s == DFLASH)
+                yield extra, expected, drafting, backlog, lambda d=depths, s=sources: (d, s)
             return
         # Packed: each row's source is the one with the most expected tokens (lookup first, so
         # it wins ties); then every (row, position) by its chance of being accepted, best first
@@ -697,10 +779,15 @@ class AdaptiveDepthPolicy:
                 marginals.append((row[k - 1] - row[k], order, rid, source))
         marginals.sort()
         total = min(len(marginals), limit)
-        expected, drafting = [float(len(gains))], [False]
-        for loss, _, _, source in marginals[:total]:
+        expected, drafting, backlog = [float(len(gains))], [False], [0]
+        seen: set[str] = set()
+        for loss, _, rid, source in marginals[:total]:
             expected.append(expected[-1] - loss)
             drafting.append(drafting[-1] or source == DFLASH)
+            # a row's first position (its positions come in order) brings its backlog
+            first = source == DFLASH and rid not in seen
+            backlog.append(backlog[-1] + (backlogs[rid] if first else 0))
+            seen.add(rid)
 
         def picks_at(extra: int) -> tuple[dict[str, int], dict[str, str]]:
             depths, sources = dict.fromkeys(gains, 0), {}
@@ -710,7 +797,8 @@ class AdaptiveDepthPolicy:
             return depths, sources
 
         for extra in _extra_grid(total):
-            yield extra, expected[extra], drafting[extra], lambda e=extra: picks_at(e)
+            thunk = lambda e=extra: picks_at(e)  # noqa: E731
+            yield extra, expected[extra], drafting[extra], backlog[extra], thunk
 
     @staticmethod
     def _expected(gains: dict[str, dict[str, list[float]]], depths: dict[str, int],
@@ -874,7 +962,14 @@ class AdaptiveDepthPolicy:
             "probe_interval": dict(self._probe_interval),
             "probe_floor": {s: self.probe_floor(s) for s in self._probe_interval},
             "catchup_row_seconds": self.catchup_row_seconds,
+            "discard_share": round(self.discard_share, 3),
             "steps_parked": self._steps_parked,
-            "last_choice": self.last_choice,
+            "last_choice": {
+                **self.last_choice,
+                "candidates": [
+                    (e, round(v, 5), round(c, 5), d)
+                    for e, v, c, d in self.last_choice.get("candidates", [])
+                ],
+            },
             "guard": self.guard.state() if self.guard is not None else None,
         }

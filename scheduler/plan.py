@@ -98,6 +98,10 @@ class StepResult:
     # this one's (the loop's own work between them included, a lookahead's overlap taken
     # off); 0 when unknown (the loop sat idle in between, or no loop measured it).
     cadence_seconds: float = 0.0
+    # A plain step looked ahead for this one and thrown away (this step drafted after all):
+    # the seconds it took to build and compute, which the cadence paid for nothing.
+    discarded_seconds: float = 0.0
+    looked_ahead: bool = False  # the next plain step was launched after this one
     # "forward" (drafter + target + sampling, up to the one sync) and "commit" (rollback and
     # bookkeeping); with phase profiling on, "forward" splits into "draft" and "verify".
     phase_seconds: dict[str, float] = field(default_factory=dict)

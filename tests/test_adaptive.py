@@ -634,3 +634,97 @@ def test_a_dflash_probe_is_priced_with_the_catch_up_of_the_rows_it_probes():
     policy.choose_drafts(requests, dict.fromkeys((r.request_id for r in requests), both))
     shared = (0.003 + 300 * 1e-4) / (PROBE_BUDGET / 2 * 0.010)
     assert abs(policy.probe_floor(DFLASH) - shared) <= 1
+
+
+def _plain_steps(policy: AdaptiveDepthPolicy, batch: int, seconds: float, n: int = 4) -> None:
+    for _ in range(n):
+        policy.observe(StepResult(batch_size=batch, verify_tokens=batch, forward_seconds=seconds))
+
+
+def test_a_looked_ahead_step_thrown_away_is_priced_into_drafting_and_not_charged_to_it():
+    """When the runner launched the next plain step ahead, drafting now throws that forward
+    away: a drafting choice pays for it (learned as a share of a plain step), and the cost
+    curves are not charged for it (bundled pair, 8 rows: ~10 ms of a 12 ms step went to
+    discarded lookaheads, which made later drafting steps look dearer, and unpriced, made
+    single drafting steps between parked ones look worth it)."""
+    requests = make_requests(8)
+    for r in requests:
+        r.lookup_match = 4
+    ids = [r.request_id for r in requests]
+    options = dict.fromkeys(ids, DraftOptions((LOOKUP,), 4, {LOOKUP: 4}))
+
+    def decide(looked_ahead: bool) -> int:
+        policy = AdaptiveDepthPolicy(warmup_steps=0)
+        _plain_steps(policy, 8, 0.010)
+        for _ in range(4):  # 8 lookup drafts cost 2 ms more a step (no drafter forward)
+            policy.observe(StepResult(batch_size=8, verify_tokens=16, forward_seconds=0.012))
+        for r in requests:
+            policy.lookup_acceptance.per_request[r.request_id] = [0.6] * policy.max_depth
+        policy.observe(StepResult(batch_size=8, verify_tokens=8, forward_seconds=0.010,
+                                  looked_ahead=looked_ahead))  # fmt: skip
+        depths, _ = policy.choose_drafts(requests, options)
+        return sum(depths.values())
+
+    assert decide(looked_ahead=False) > 0  # 12.8 tokens in 12 ms against 8 in 10
+    assert decide(looked_ahead=True) == 0  # not with a 10 ms plain step thrown away too
+
+    policy = AdaptiveDepthPolicy(warmup_steps=0)
+    _plain_steps(policy, 8, 0.010)
+    policy.observe(StepResult(batch_size=8, verify_tokens=16, drafted_rows=0, cadence_seconds=0.024,
+                              forward_seconds=0.013, discarded_seconds=0.008))  # fmt: skip
+    assert abs(policy.discard_share - 0.8) < 1e-9
+    policy.observe(StepResult(batch_size=8, verify_tokens=8, cadence_seconds=0.010,
+                              forward_seconds=0.011))  # fmt: skip
+    # charged its cadence less the thrown-away forward: 24 - 8 = 16 ms, 6 ms over plain
+    assert abs(policy.cost.predict_extra(8, 8, drafting=False) - 0.006) < 1e-9
+
+
+def test_a_merit_choice_pays_for_the_backlog_its_dflash_rows_write_first():
+    """A row whose DFlash session sat out writes its backlog in the drafter forward that
+    drafts for it: a choice on the merits is priced with it, as a probe is. Without it, rows
+    with a prompt or long pause unwritten were drafted at 12 ms predicted and cost 30-40."""
+    requests = make_requests(4)
+    ids = [r.request_id for r in requests]
+    options = dict.fromkeys(ids, DraftOptions((DFLASH,), 0, {DFLASH: 3}))
+
+    def positions(backlog: int) -> int:
+        policy = AdaptiveDepthPolicy(warmup_steps=0)
+        _plain_steps(policy, 4, 0.010)
+        for _ in range(4):  # drafting 8 positions with a drafter forward: 5 ms more
+            policy.observe(StepResult(batch_size=4, verify_tokens=12, drafted_rows=4,
+                                      draft_context_rows=8, forward_seconds=0.015))  # fmt: skip
+        policy.catchup_row_seconds = 1e-4
+        for r in requests:
+            r.draft_backlog = backlog
+            policy.acceptance.per_request[r.request_id] = [0.7] * policy.max_depth
+        depths, _ = policy.choose_drafts(requests, options)
+        return sum(depths.values())
+
+    assert positions(backlog=2) > 0
+    assert positions(backlog=300) == 0  # 4 x 300 rows at 0.1 ms: 120 ms for a few tokens
+
+
+def test_a_parked_batch_is_revalued_only_when_what_it_saw_changes_or_every_few_steps():
+    """Parked, the same rows with the same usable sources are parked again without valuing
+    the candidates (the valuation's Python runs beside the lookahead's forward); a row whose
+    options change, or every PARKED_REUSE-th step, is valued afresh."""
+    from scheduler.adaptive import PARKED_REUSE
+
+    policy = AdaptiveDepthPolicy(warmup_steps=0)
+    requests = make_requests(4)
+    _plain_steps(policy, 4, 0.010)
+    for r in requests:
+        policy.acceptance.per_request[r.request_id] = [0.0] * policy.max_depth
+        policy.lookup_acceptance.per_request[r.request_id] = [0.0] * policy.max_depth
+    valued = []
+    original = policy._gains
+    policy._gains = lambda *a: valued.append(1) or original(*a)
+    ids = [r.request_id for r in requests]
+    dflash = dict.fromkeys(ids, DraftOptions((DFLASH,), 0, {DFLASH: 3}))
+    for _ in range(2 * PARKED_REUSE):  # (a probe may fall due: it is no valuation)
+        policy.choose_drafts(requests, dflash)
+    assert len(valued) == 2
+    both = dict(dflash)
+    both[requests[0].request_id] = DraftOptions((DFLASH, LOOKUP), 4, {DFLASH: 3, LOOKUP: 4})
+    policy.choose_drafts(requests, both)  # a lookup match appeared: valued at once
+    assert len(valued) == 3

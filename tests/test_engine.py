@@ -228,7 +228,7 @@ async def test_lookahead_used_and_discarded_keeps_outputs_exact(qwen3_target_dir
         async with engine:
             runner = engine._runner
             runner.drafter.strict = strict
-            used, discarded = [], []
+            used, discarded, reported = [], [], []
             original_discard, original_execute = runner._discard, runner.execute
             runner._discard = lambda la: discarded.append(1) or original_discard(la)
             original_early = runner._launch_early
@@ -245,6 +245,9 @@ async def test_lookahead_used_and_discarded_keeps_outputs_exact(qwen3_target_dir
                 result = original_execute(plan)
                 if pending and len(discarded) == before and result.batch_size:
                     used.append(1)
+                # The step says what its cadence paid for nothing, and whether one follows.
+                reported.append((len(discarded) > before) == (result.discarded_seconds > 0))
+                reported.append(result.looked_ahead == (runner._lookahead is not None))
                 return result
 
             runner.execute = execute
@@ -255,6 +258,7 @@ async def test_lookahead_used_and_discarded_keeps_outputs_exact(qwen3_target_dir
             await wait_idle(engine)
             assert engine.kv_bytes() == 0
         assert not failures, failures[:5]
+        assert all(reported), reported
         return outputs, len(used), len(discarded)
 
     def assert_greedy_exact(batch, results) -> None:

@@ -24,6 +24,15 @@
   the loop's work through the lookahead, a drafting step's does not, and the plain step
   after a draft loses that overlap, which is charged to the draft); the forward's time
   otherwise (prefill steps, and steps after an idle loop).
+- **What a drafting choice costs beyond its positions.** Two one-offs are priced at the
+  choice, not learned into the curves: a plain step the runner launched ahead, which drafting
+  now throws away (learned as a share of a plain step from the runner's timing of it, and
+  taken off the step's charged cadence), and the backlog each DFlash row's drafter forward
+  writes first (rows committed while it sat out, the prompt at its first proposal; seconds
+  per row learned from catch-up steps as a ratio of decayed sums, only where a drafting step
+  of that batch size was measured, so the drafter forward's own cost is not read as the
+  rows'). Unpriced, single drafting steps between parked ones looked worth it at 8 rows and
+  cost 30-40 ms against the 12 predicted.
 - **Allocation.** Every draft position (request i, position k) has an expected gain: the
   chance that drafts 1..k of request i are all accepted. Packed, positions are taken in
   order of gain, best first, and the number E of positions with the best predicted goodput

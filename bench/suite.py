@@ -302,6 +302,7 @@ def _clean(value: Any) -> Any:
 def _environment() -> dict[str, Any]:
     import mlx.core as mx
 
+    from engine import process_tuning
     from engine.platform import blas_status, compute_dtype
 
     try:
@@ -312,12 +313,15 @@ def _environment() -> dict[str, Any]:
         mlx_lm_version = "unknown"
     dtype = compute_dtype()
     status = blas_status()
+    tuning = process_tuning.applied()
+    tuned = "off" if tuning is None else f"{tuning.allocator}; {tuning.switch_interval}"
     return {
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm_version,
         "device": str(mx.default_device()),
         "dtype": "checkpoint dtype" if dtype is None else str(dtype).replace("mlx.core.", ""),
         "blas": status.name,
+        "process_tuning": tuned,
         "python": platform.python_version(),
         "machine": f"{platform.system()} {platform.machine()}",
         "command": " ".join(sys.argv),
@@ -356,7 +360,11 @@ async def run_suite(
     """Run the suite; return the results (also written to `cfg.out_dir` when set)."""
     import mlx.core as mx
 
+    from engine import process_tuning
+
     started_at = _dt.datetime.now().isoformat(timespec="seconds")
+    if process_tuning.wanted():  # every engine, mlx-lm's too, runs under the same settings
+        process_tuning.tune_process()
     tokenizer, engines = build_engines(cfg)
     engines = list(engines) + list(extra_engines)
     failures: dict[str, str] = {}

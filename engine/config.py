@@ -38,6 +38,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # clearly faster at M' (engine.row_padding: OpenBLAS took 22 ms for 12 rows through
     # SmolLM2's head and 12 ms for 16); outputs are unchanged. Ignored on Metal and CUDA.
     row_padding: bool = True
+    # Process-wide (engine.process_tuning): glibc malloc keeps freed activations instead of
+    # faulting fresh pages every step, and the GIL changes hands within 0.5 ms. Applied once
+    # per process at start; False (or FLASHBATCH_PROCESS_TUNING=0) leaves the process alone.
+    process_tuning: bool = True
     profile_phases: bool = False  # time draft and verify apart (costs one extra sync per step)
     # Draft sources served: "dflash" (needs `drafter`) and/or "lookup" (n-gram lookup over each
     # request's prompt and output, no forward). None: both where a drafter is given, lookup

@@ -88,3 +88,19 @@ async def test_engine_leaves_the_process_alone_when_told(monkeypatch):
         await engine.start()
         await engine.shutdown()
     assert calls == [1]
+
+
+def test_bench_script_compares_tuned_and_untuned_processes_end_to_end():
+    """`bench/process_tuning.py` runs one tuned and one untuned engine process on the bundled
+    pair and reports both sides and their paired ratio."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "bench/process_tuning.py", "--requests", "1", "--max-tokens", "4",
+         "--pairs", "1", "--runs", "1", "--policy", "adaptive"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("pair 0 tuned: ") for line in lines), done.stdout
+    assert any(line.startswith("pair 0 untuned: ") for line in lines), done.stdout
+    assert any(line.startswith("| tuned | ") for line in lines), done.stdout
+    assert any(line.startswith("tuned / untuned throughput, paired by pair: ") for line in lines)

@@ -28,7 +28,7 @@ from drafters.lookup import LookupDrafter
 from engine.backend_tuning import tune_for_backend
 from engine.loading import load_pair
 from engine.packed import PackedLayout
-from engine.process_tuning import tune_process, wanted
+from engine.process_tuning import tune_process_if_wanted
 from engine.runner import ModelRunner
 
 
@@ -42,8 +42,7 @@ def main() -> None:
 
     from bench.suite import mix_prompts
 
-    if wanted():  # the engine's process settings (FLASHBATCH_PROCESS_TUNING=0: off)
-        tune_process()
+    tune_process_if_wanted()  # the engine's process settings
     pair = load_pair(args.target, None)
     tune_for_backend(pair, row_padding=args.row_padding)  # what the engine runs on this backend
     runner = ModelRunner(pair.target, None, lookup=LookupDrafter())  # lookup: packed verify on

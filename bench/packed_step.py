@@ -21,7 +21,7 @@ import statistics
 from engine.backend_tuning import tune_for_backend
 from engine.bundled.pair import bundled_paths
 from engine.loading import load_pair
-from engine.process_tuning import tune_process, wanted
+from engine.process_tuning import tune_process_if_wanted
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from scheduler.plan import Admission, PrefillChunk, StepPlan
@@ -51,8 +51,7 @@ def main() -> None:
 
     from bench.engine_core import load_prompts
 
-    if wanted():  # the engine's process settings (FLASHBATCH_PROCESS_TUNING=0: off)
-        tune_process()
+    tune_process_if_wanted()  # the engine's process settings
     pair = load_pair(args.target, args.drafter)
     tune_for_backend(pair, row_padding=args.row_padding)  # what the engine runs on this backend
     runner = ModelRunner(pair.target, pair.drafter)

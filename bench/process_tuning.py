@@ -34,23 +34,21 @@ async def _serve(args: argparse.Namespace) -> list[dict[str, float]]:
     from engine.async_engine import AsyncEngine
     from engine.bundled.pair import bundled_paths
     from engine.config import EngineConfig
-    from engine.loading import load_target_model
     from engine.sampling import SamplingParams
 
     target, drafter = args.target, None
     if target is None:
         bundled_target, bundled_drafter = bundled_paths()
         target, drafter = str(bundled_target), str(bundled_drafter)
-    _, tokenizer = load_target_model(target)
-    workload_set = "bundled" if args.target is None else "mix"
-    prompts = cell_prompts(tokenizer, args.workload, args.requests, args.max_prompt_tokens,
-                           workload_set)  # fmt: skip
     config = EngineConfig(target=target, drafter=drafter, max_num_seqs=args.concurrency,
                           max_waiting_requests=100_000, prefix_cache_bytes=0,
                           num_speculative_tokens=0 if args.policy == "off" else None)  # fmt: skip
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
     runs = []
     async with AsyncEngine(config) as served:
+        prompts = cell_prompts(served.tokenizer, args.workload, args.requests,
+                               args.max_prompt_tokens,
+                               "bundled" if args.target is None else "mix")  # fmt: skip
         gate = asyncio.Semaphore(args.concurrency)
 
         async def one(prompt: list[int]) -> int:

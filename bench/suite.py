@@ -363,8 +363,7 @@ async def run_suite(
     from engine import process_tuning
 
     started_at = _dt.datetime.now().isoformat(timespec="seconds")
-    if process_tuning.wanted():  # every engine, mlx-lm's too, runs under the same settings
-        process_tuning.tune_process()
+    process_tuning.tune_process_if_wanted()  # every engine, mlx-lm's too, runs under them
     tokenizer, engines = build_engines(cfg)
     engines = list(engines) + list(extra_engines)
     failures: dict[str, str] = {}

@@ -157,11 +157,11 @@ class AsyncEngine:
         from engine.backend_tuning import tune_for_backend
         from engine.loading import load_pair
         from engine.platform import report_blas
-        from engine.process_tuning import tune_process, wanted
+        from engine.process_tuning import tune_process_if_wanted
         from engine.runner import ModelRunner
 
-        if self.config.process_tuning and wanted():
-            tune_process()
+        if self.config.process_tuning:
+            tune_process_if_wanted()
         report_blas(log)
         sources = self.config.served_sources()
         drafter = self.config.drafter if DFLASH in sources else None  # lookup only: no taps

@@ -88,6 +88,12 @@ def applied() -> ProcessTuning | None:
     return _applied
 
 
+def tune_process_if_wanted() -> ProcessTuning | None:
+    """`tune_process` unless ``FLASHBATCH_PROCESS_TUNING=0``: what every caller (the engine,
+    the benches) applies, so they all run under the same settings."""
+    return tune_process() if wanted() else None
+
+
 def tune_process() -> ProcessTuning:
     """Apply both settings once per process (later calls return the first result)."""
     global _applied

@@ -58,10 +58,12 @@
   per source, so lookup drafting now and then neither resets nor blocks the re-trying of
   DFlash); a probe drafts one position for a few rows (those that drafted least recently),
   so it costs a few packed positions, not a batch-wide width. The backoff never goes below
-  what keeps probing within PROBE_BUDGET (3%) of the time at the measured costs: a probe
+  what keeps probing within PROBE_BUDGET (2%) of the time at the measured costs: a probe
   that costs half a plain step (a drafter forward and an attention group of its own, on the
-  bundled pair at 8 rows) comes at most every 17 steps; one that costs a tenth of a step
-  (SmolLM2 at 8 rows) leaves the backoff to decide.
+  bundled pair at 8 rows) comes at most every 25 steps; one that costs a tenth of a step
+  (SmolLM2 at 8 rows) leaves the backoff to decide. (At 3% the probes alone could take all
+  of "never slower"'s allowance where nothing pays; at 1% a batch whose noisy acceptance
+  estimates parked it wrongly took hundreds of steps to find drafting again.)
 - **Draft sources.** A row may draft from DFlash or from prompt lookup (`scheduler.sources`);
   acceptance is modelled per request *and per source* (one `AcceptanceModel` each). Every
   row takes the source with the most expected tokens, and every choice is priced twice: with
@@ -98,7 +100,7 @@ PARKED_REUSE = 4  # a parked verdict serves this many steps when nothing it saw 
 PROBE_ROWS = 2  # rows a probe drafts for (packed verify; padded probes every row)
 # The most of the decoding time probing may take: a source is probed at most once every
 # (a probe's predicted extra over a plain step) / (PROBE_BUDGET x a plain step) steps.
-PROBE_BUDGET = 0.03
+PROBE_BUDGET = 0.02
 CATCHUP_ALPHA = 0.2  # EWMA step of the learned seconds per drafter backlog row
 DISCARD_ALPHA = 0.2  # EWMA step of a thrown-away lookahead's share of a plain step
 
@@ -228,8 +230,12 @@ class CostCurve:
 
     Each bucket is an EWMA whose updates are clamped to a few robust deviations (one stall
     cannot move it far); unmeasured R are interpolated between neighbours, and extrapolated
-    past the largest measured R with the slope of the last two buckets (flat with only one:
-    optimistic, so the controller explores rather than guessing a steep cost).
+    past the largest measured R (flat with only one bucket: optimistic, so the controller
+    explores rather than guessing a steep cost) with the steeper of two slopes: the last two
+    buckets', and a least-squares line's through every bucket (weighted by its samples). The
+    last two alone are a few noisy positions apart: at 32 rows on the CPU (bundled pair) 57
+    lookup positions read 58 ms and 64 read 45 ms, a slope of ~0, and 107 positions were then
+    priced at 38 ms; they cost 158.
 
     `one_sided` (the plain curve): step-time noise on a shared CPU only ever adds time (a
     stall, the copies of a join or a removal computed in that step's sync), so a bucket
@@ -247,6 +253,7 @@ class CostCurve:
         # step: it bisects these instead of sorting the buckets every call).
         self._known: list[int] = []
         self._centers: list[float] = []
+        self._slope: float | None = None  # past the largest bucket; None: not yet computed
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -257,6 +264,7 @@ class CostCurve:
         return 2 ** (bucket / 4)
 
     def observe(self, rows: int, seconds: float) -> None:
+        self._slope = None
         b = self.bucket(rows)
         if b not in self.mean:
             self.mean[b], self.deviation[b], self.count[b] = seconds, 0.1 * seconds, 1
@@ -289,9 +297,24 @@ class CostCurve:
             return self.mean[known[0]]
         if len(known) == 1:
             return self.mean[known[0]]
-        a, c = known[-2], known[-1]
-        slope = max(0.0, (self.mean[c] - self.mean[a]) / (centers[-1] - centers[-2]))
-        return self.mean[c] + slope * (x - centers[-1])
+        if self._slope is None:
+            self._slope = self._extrapolation_slope()
+        return self.mean[known[-1]] + self._slope * (x - centers[-1])
+
+    def _extrapolation_slope(self) -> float:
+        """Seconds per row past the largest bucket (see the class docstring); 0 at least."""
+        known, centers = self._known, self._centers
+        last_two = (self.mean[known[-1]] - self.mean[known[-2]]) / (centers[-1] - centers[-2])
+        weights = [self.count[k] for k in known]
+        total = sum(weights)
+        x_mean = sum(w * x for w, x in zip(weights, centers)) / total
+        y_mean = sum(w * self.mean[k] for w, k in zip(weights, known)) / total
+        spread = sum(w * (x - x_mean) ** 2 for w, x in zip(weights, centers))
+        covariance = sum(
+            w * (x - x_mean) * (self.mean[k] - y_mean) for w, x, k in zip(weights, centers, known)
+        )
+        fitted = covariance / spread if spread > 0 else 0.0
+        return max(0.0, last_two, fitted)
 
     def measured(self, rows: int) -> bool:
         return self.bucket(rows) in self.mean

@@ -7,6 +7,7 @@ told the verify is padded, or of the packed verify (plain step + per drafted pos
 
 from __future__ import annotations
 
+import math
 import random
 
 from engine.sampling import SamplingParams
@@ -18,6 +19,7 @@ from scheduler.adaptive import (
     PROBE_ROWS,
     AcceptanceModel,
     AdaptiveDepthPolicy,
+    CostCurve,
     acceptance_group,
 )
 from scheduler.plan import RowOutcome, StepResult
@@ -728,3 +730,19 @@ def test_a_parked_batch_is_revalued_only_when_what_it_saw_changes_or_every_few_s
     both[requests[0].request_id] = DraftOptions((DFLASH, LOOKUP), 4, {DFLASH: 3, LOOKUP: 4})
     policy.choose_drafts(requests, both)  # a lookup match appeared: valued at once
     assert len(valued) == 3
+
+
+def test_cost_past_the_measured_extras_follows_every_bucket_not_the_noisy_last_two():
+    # Extra positions at 32 rows cost ~1 ms each, but the two largest measured counts read
+    # out of order (a stall, or a lucky step): their slope alone is negative.
+    curve = CostCurve(clamp=math.inf)
+    for extra, seconds in [(2, 0.002), (4, 0.004), (8, 0.008), (16, 0.016), (23, 0.026),
+                           (27, 0.024)]:  # fmt: skip
+        curve.observe(extra, seconds)
+    assert 0.055 < curve.predict(64) < 0.075  # not 0.024: flat, as the last two say
+    curve.observe(64, 0.064)
+    assert 0.1 < curve.predict(107) < 0.12
+    # One bucket only: flat (optimistic, so the controller explores).
+    single = CostCurve()
+    single.observe(2, 0.003)
+    assert single.predict(50) == 0.003

@@ -24,6 +24,12 @@ MAX_EXPLORE_GAP epochs while it keeps losing, so a workload that changes is noti
 losing arm costs at most a few percent of its loss. Where drafting wins clearly (CLEAR_WIN),
 held decoding is not measured at all: it could not catch up, and each held epoch would cost
 the drafting's whole gain for its length.
+
+An octave seen for the first time above one where held decoding won starts held: a larger
+batch is more compute-bound, so drafting there only loses more (a tenth of a second per free
+epoch at 32 rows on the bundled pair, where every serving run starts). It measures drafting
+after MIN_EXPLORE_GAP held epochs, as any loser is, so a batch size where drafting does pay
+is still found.
 """
 
 from __future__ import annotations
@@ -60,6 +66,10 @@ class _Arms:
     gap: int = MIN_EXPLORE_GAP  # winner epochs before the loser is measured again
     since_explore: int = 0  # winner epochs since the loser's last one
     exploring: bool = False  # the current epoch re-measures the losing arm
+
+    def held_won(self) -> bool:
+        """Both arms measured and held decoding the faster."""
+        return FREE in self.speed and HELD in self.speed and self.speed[HELD] > self.speed[FREE]
 
     def close_epoch(self) -> None:
         speed = self.work / self.seconds if self.seconds > 0 else None
@@ -105,8 +115,16 @@ class DraftingGuard:
 
     def allows_drafting(self, batch: int) -> bool:
         """Free for this batch size now (the controller decides), or held plain."""
-        arms = self.arms.get(self.bucket(batch))
-        return arms is None or arms.arm == FREE
+        return self._arms(self.bucket(batch)).arm == FREE
+
+    def _arms(self, bucket: int) -> _Arms:
+        """The octave's arms; a new one starts held above an octave where held won."""
+        arms = self.arms.get(bucket)
+        if arms is None:
+            below = [b for b in self.arms if b < bucket]
+            held = bool(below) and self.arms[max(below)].held_won()
+            arms = self.arms[bucket] = _Arms(arm=HELD if held else FREE)
+        return arms
 
     def observe(self, batch: int, tokens: int, plain_seconds: float, clean: bool) -> None:
         """One step ended: `tokens` committed by `batch` decoding rows; `plain_seconds` is the
@@ -117,7 +135,7 @@ class DraftingGuard:
             return
         if elapsed > IDLE_FACTOR * plain_seconds + IDLE_SLACK:
             return  # the engine waited for work in between
-        arms = self.arms.setdefault(self.bucket(batch), _Arms())
+        arms = self._arms(self.bucket(batch))
         arms.work += tokens / batch * plain_seconds
         arms.seconds += elapsed
         arms.steps += 1

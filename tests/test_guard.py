@@ -115,7 +115,21 @@ def test_each_batch_size_octave_has_its_own_verdict():
     play(guard, clock, 1, free=(2.0, 0.012), held=(1.0, 0.010), steps=EPOCH_STEPS * 8)
     assert not guard.allows_drafting(8) and not guard.allows_drafting(15)
     assert guard.allows_drafting(1)
-    assert guard.allows_drafting(32)  # never measured: the controller decides
+    assert guard.allows_drafting(2)  # never measured, above a free octave: free
+
+
+def test_a_new_batch_size_above_a_held_one_starts_held_and_still_measures_drafting():
+    clock = Clock()
+    guard = DraftingGuard(clock, epoch_seconds=0.0)
+    play(guard, clock, 8, free=(1.0, 0.012), held=(1.0, 0.010), steps=EPOCH_STEPS * 8)
+    assert not guard.allows_drafting(8)
+    # 32 rows: never measured, and more compute-bound than 8, where drafting lost.
+    arms = play(guard, clock, 32, free=(1.0, 0.012), held=(1.0, 0.010), steps=EPOCH_STEPS * 6)
+    assert epochs(arms)[:4] == [HELD, HELD, FREE, HELD]  # drafting measured after 2 epochs
+    assert not guard.allows_drafting(32)
+    # Where drafting pays at 32 rows after all, it is found and kept.
+    arms = play(guard, clock, 32, free=(2.0, 0.012), held=(1.0, 0.010), steps=EPOCH_STEPS * 24)
+    assert epochs(arms)[-6:] == [FREE] * 6
 
 
 def _request(i: int) -> Request:

@@ -59,9 +59,17 @@ async def run(args: argparse.Namespace) -> None:
         wall = time.perf_counter() - started
         inside = sum(r.step_seconds for r in steps)
         print(f"wall {wall:.2f} s, {len(steps)} steps, {wall - inside:.2f} s between steps")
+        # The plain step looked ahead (pipelined: built while the last one computed) after how
+        # many steps, and how many such lookaheads a drafting choice threw away.
+        ahead = sum(r.looked_ahead for r in steps)
+        thrown = sum(1 for r in steps if r.discarded_seconds)
+        print(f"looked ahead after {ahead} of {len(steps)} steps, {thrown} thrown away")
         kinds = collections.defaultdict(list)
         for result in steps:
             kinds[_kind(result)].append(result)
+        policy = getattr(eng._policy, "state", None)
+        if policy is not None:  # the adaptive controller: its guard's verdicts per batch octave
+            print(f"guard {policy().get('guard')}")
         for kind, rs in kinds.items():
             print(
                 f"{kind:14s} n={len(rs):4d} total {sum(r.step_seconds for r in rs):6.2f} s  "

@@ -525,6 +525,8 @@ class AdaptiveDepthPolicy:
                 self.last_choice = {"width": 0, "positions": 0, "exploring": False,
                                     "reason": "measuring_plain"}  # fmt: skip
             return {r.request_id: 0 for r in requests}, {}
+        # Each row's catch-up: the feature rows its DFlash session holds unwritten, beyond the
+        # one every proposal writes (the position the last step committed).
         backlogs = {r.request_id: max(0, r.draft_backlog - 1) for r in requests}
         # A parked batch whose rows and usable sources are those of the last valuation (and
         # as many requests wait) is parked again without valuing every candidate, for up to
@@ -533,7 +535,7 @@ class AdaptiveDepthPolicy:
         signature = (self._waiting, tuple((rid, tuple(cap)) for rid, cap in caps.items()))
         if self._steps_parked and self._reuse_left and signature == self._parked_signature:
             self._reuse_left -= 1
-            choice, sources = self._park_or_probe(requests, caps, reason="not_worth_it")
+            choice, sources = self._park_or_probe(requests, caps, backlogs, "not_worth_it")
             return self._settle(choice, sources, backlogs, exploring=False, table=None)
         limit = self.cost.explore_limit(batch)
         if self.cost.samples < self.warmup_steps:
@@ -574,7 +576,7 @@ class AdaptiveDepthPolicy:
         exploring = best_extra >= limit > 0
         if not any(choice.values()):
             self._parked_signature, self._reuse_left = signature, PARKED_REUSE - 1
-            choice, sources = self._park_or_probe(requests, caps, reason="not_worth_it")
+            choice, sources = self._park_or_probe(requests, caps, backlogs, "not_worth_it")
         else:
             self._steps_parked = 0
             for source in set(sources.values()):  # chosen on its merits: probe it soon again
@@ -901,11 +903,12 @@ class AdaptiveDepthPolicy:
         steps = math.ceil((probe - plain) / (budget * plain))
         return min(PROBE_MAX, max(PROBE_START, steps))
 
-    def _park_or_probe(self, requests: list[Request], caps: dict[str, dict[str, int]],
-                       reason: str) -> tuple[dict[str, int], dict[str, str]]:  # fmt: skip
+    def _park_or_probe(
+        self, requests: list[Request], caps: dict[str, dict[str, int]],
+        backlogs: dict[str, int], reason: str,
+    ) -> tuple[dict[str, int], dict[str, str]]:  # fmt: skip
         self._steps_parked += 1
-        backlog = {r.request_id: r.draft_backlog for r in requests}
-        self._probe_backlog = sum(backlog[rid] for rid in self._probe_rows(caps, DFLASH))
+        self._probe_backlog = sum(backlogs[rid] for rid in self._probe_rows(caps, DFLASH))
         source = self._due_probe()
         if source is not None:
             self._probing = source

@@ -34,9 +34,12 @@ async def run(args: argparse.Namespace) -> None:
     from bench.suite import workload_texts
 
     texts = workload_texts(args.workload)
-    config = EngineConfig(target=args.target, drafting_guard=args.policy != "unguarded")
+    cache = {} if args.prefix_cache else {"prefix_cache_bytes": 0}  # 0: as `bench run`
+    config = EngineConfig(target=args.target, drafting_guard=args.policy != "unguarded", **cache)
     if args.policy == "off":
-        config = EngineConfig(target=args.target, num_speculative_tokens=0, draft_sources=[])
+        config = EngineConfig(
+            target=args.target, num_speculative_tokens=0, draft_sources=[], **cache
+        )
     async with AsyncEngine(config) as eng:
         steps: list = []
         eng.step_hooks.append(steps.append)
@@ -102,6 +105,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument(
+        "--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+        help="the engine's prefix cache (bench run turns it off)",
+    )  # fmt: skip
     asyncio.run(run(parser.parse_args()))
 
 

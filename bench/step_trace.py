@@ -70,9 +70,9 @@ async def run(args: argparse.Namespace) -> None:
         kinds = collections.defaultdict(list)
         for result in steps:
             kinds[_kind(result)].append(result)
-        policy = getattr(eng._policy, "state", None)
-        if policy is not None:  # the adaptive controller: its guard's verdicts per batch octave
-            print(f"guard {policy().get('guard')}")
+        guard = eng.depth_policy_state().get("guard")
+        if guard is not None:  # the adaptive controller's verdicts per batch octave
+            print(f"guard {guard}")
         for kind, rs in kinds.items():
             print(
                 f"{kind:14s} n={len(rs):4d} total {sum(r.step_seconds for r in rs):6.2f} s  "

@@ -26,10 +26,9 @@ held decoding is not measured at all: it could not catch up, and each held epoch
 the drafting's whole gain for its length.
 
 An octave seen for the first time above one where held decoding won starts held: a larger
-batch is more compute-bound, so drafting there only loses more (a tenth of a second per free
-epoch at 32 rows on the bundled pair, where every serving run starts). It measures drafting
-after MIN_EXPLORE_GAP held epochs, as any loser is, so a batch size where drafting does pay
-is still found.
+batch is more compute-bound, so drafting there only loses more, and a free first epoch would
+pay that loss before anything is learned. It measures drafting after MIN_EXPLORE_GAP held
+epochs, as any loser is, so a batch size where drafting does pay is still found.
 """
 
 from __future__ import annotations

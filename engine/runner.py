@@ -42,7 +42,7 @@ from engine.blas_threads import blas_threads
 from engine.kv_cache import RaggedKVCache
 from engine.packed import PackedLayout, PrefillSegment
 from engine.prefix_cache import PrefixEntry, PrefixSave
-from engine.sampling import SamplingParams, request_key, sample, sample_rows
+from engine.sampling import RandomStream, SamplingParams, request_stream, sample, sample_rows
 from engine.target import TargetAdapter
 from scheduler.plan import Admission, PrefillChunk, RowOutcome, StepPlan, StepResult
 from scheduler.sources import DFLASH, LOOKUP
@@ -61,7 +61,7 @@ class _RowState:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    key: mx.array | None
+    random: RandomStream | None  # None when greedy
     anchor: int = -1  # last committed token, not yet in the target cache
     session: DraftSession | None = None
     lookup: LookupSession | None = None
@@ -73,11 +73,15 @@ class _RowState:
     feature_log: list[mx.array] = field(default_factory=list)
     feature_tail: int = 0  # step slices at the end of the log, not yet merged
 
-    def next_key(self) -> mx.array | None:
-        if self.key is None:
-            return None
-        self.key, sub = mx.random.split(self.key)
-        return sub
+    @property
+    def draws(self) -> int:
+        """How many uniforms the row's sampler has drawn (its whole state)."""
+        return 0 if self.random is None else self.random.drawn
+
+    def give_back(self, draws: int) -> None:
+        """Rewind the sampler to `draws` (a step that never ran gives its draws back)."""
+        if self.random is not None:
+            self.random.drawn = draws
 
 
 @dataclass
@@ -146,7 +150,7 @@ class _Lookahead:
 
     decode: _Decode
     rows: list[str]  # batch rows it was launched for, in order
-    keys: dict[str, mx.array | None]  # sampler keys before it, restored if it is discarded
+    draws: dict[str, int]  # the rows' sampler draws before it, restored if it is discarded
     build_seconds: float  # building its graph (at the end of the previous step)
     eval_seconds: float = 0.0  # computing it (in `advance`)
     # Built early (before the step's sync): the target cache before it, until it is kept.
@@ -368,7 +372,7 @@ class ModelRunner:
     def _first_token(self, state: _RowState, logits: mx.array,
                      first_tokens: dict[str, mx.array]) -> None:  # fmt: skip
         """Sample a request's first token from its prompt's last logits [1, V]."""
-        first_tokens[state.request_id] = token = sample(logits, state.params, state.next_key())[0]
+        first_tokens[state.request_id] = token = sample(logits, state.params, state.random)[0]
         if state.params.logprobs is not None:
             self._first_logprobs.append(_logprobs_of([state], logits[None], token[None, None]))
 
@@ -441,9 +445,9 @@ class ModelRunner:
         """Start the next plain decode step of every row now (after this step's joins), on
         the rows' committed anchors or on `anchors` [B, 1], this step's still lazy tokens."""
         started = time.perf_counter()
-        keys = {r: self.states[r].key for r in self.rows}
+        draws = {r: self.states[r].draws for r in self.rows}
         decode = self._decode({}, anchors=anchors)
-        return _Lookahead(decode, list(self.rows), keys, time.perf_counter() - started)
+        return _Lookahead(decode, list(self.rows), draws, time.perf_counter() - started)
 
     def _launch_early(self, plan: StepPlan, decode: _Decode | None) -> _Lookahead | None:
         """mlx-lm's pipelining: when this step is plain for every row and no request joins
@@ -466,11 +470,11 @@ class ModelRunner:
         return lookahead
 
     def _unbuild(self, lookahead: _Lookahead) -> None:
-        """Drop an early lookahead before it runs: the cache as before it, keys given back."""
+        """Drop an early lookahead before it runs: the cache as before it, draws given back."""
         for layer_cache, before in zip(self.cache, lookahead.cache_before):
             layer_cache.restore(before)
         for request_id in lookahead.rows:
-            self.states[request_id].key = lookahead.keys[request_id]
+            self.states[request_id].give_back(lookahead.draws[request_id])
 
     def advance(self) -> None:
         """Compute the launched lookahead step (if any). The engine queues this on the MLX
@@ -489,11 +493,11 @@ class ModelRunner:
 
     def _discard(self, lookahead: _Lookahead) -> None:
         """The plan was not plain after all: roll back the looked-ahead position of every row
-        (lengths only) and give the rows their sampler keys back, as if it never ran."""
+        (lengths only) and give the rows their sampler draws back, as if it never ran."""
         for layer_cache in self.cache:
             layer_cache.trim_rows([1] * len(self.rows))
         for request_id in self.rows:
-            self.states[request_id].key = lookahead.keys[request_id]
+            self.states[request_id].give_back(lookahead.draws[request_id])
 
     # ----------------------------------------------------------------- decode
     def _decode(
@@ -582,9 +586,9 @@ class ModelRunner:
         logits, features = self.packed(tokens, layout, self.cache, packed_segments)
         self._segment_outputs(segments, layout.total, logits, features)
         logits = logits[: layout.total] if segments else logits
-        # Each row samples only its own positions, with its own sampler and key.
+        # Each row samples only its own positions, with its own sampler and random stream.
         packed_targets = sample_rows(
-            logits, [s.params for s in states], [s.next_key() for s in states], layout.widths
+            logits, [s.params for s in states], [s.random for s in states], layout.widths
         )
         by_row = mx.array(layout.padded_index(list(range(B)), 0, width + 1), dtype=mx.int32)
         targets = packed_targets[by_row].reshape(B, width + 1)
@@ -654,8 +658,8 @@ class ModelRunner:
     def _sample_rows(self, logits: mx.array, states: list[_RowState]) -> mx.array:
         """Every verify row sampled with its request's own sampler: [B, W, V] -> [B, W]."""
         B, W, V = logits.shape
-        params, keys = [s.params for s in states], [s.next_key() for s in states]
-        return sample_rows(logits.reshape(B * W, V), params, keys, [W] * B).reshape(B, W)
+        params, streams = [s.params for s in states], [s.random for s in states]
+        return sample_rows(logits.reshape(B * W, V), params, streams, [W] * B).reshape(B, W)
 
     def _commit(self, decode: _Decode, result: StepResult) -> None:
         targets = decode.targets.tolist()
@@ -699,7 +703,7 @@ class ModelRunner:
             request_id=admission.request_id,
             prompt_ids=list(admission.prompt_ids),
             params=params,
-            key=None if params.greedy else request_key(params.seed),
+            random=None if params.greedy else request_stream(params.seed),
             prefill_cache=[RaggedKVCache(1) for _ in self.target.layers],
         )
         if admission.prefix_entry is not None:

@@ -23,7 +23,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from drafters.base import Drafter, DraftSession
 from engine.errors import InvalidRequest
-from engine.sampling import SamplingParams, request_key, sample
+from engine.sampling import SamplingParams, request_stream, sample
 from engine.stopping import StopChecker, eos_ids_of
 from engine.target import TargetAdapter
 
@@ -93,7 +93,7 @@ def generate(
 
     cache = target.make_cache()
     session: DraftSession | None = drafter.open(prompt_ids) if drafter is not None else None
-    key = None if params.greedy else request_key(params.seed)
+    stream = None if params.greedy else request_stream(params.seed)
     steps: list[StepStats] = []
 
     def state() -> StepState:
@@ -112,9 +112,7 @@ def generate(
                 chunk_ids = prompt_ids[start : start + prefill_chunk]
                 drafter.commit(session, features[0], chunk_ids)
             mx.eval(logits[:, -1], [c.state for c in cache])
-        if key is not None:
-            key, subkey = mx.random.split(key)
-        token = sample(logits[:, -1], params, None if key is None else subkey).item()
+        token = sample(logits[:, -1], params, stream).item()
         stop.add([token])
         if on_step:
             on_step(state())
@@ -127,9 +125,7 @@ def generate(
                 drafts = drafter.propose([session], [token], [depth]).tokens[0, :depth]
                 verify_ids = mx.concatenate([verify_ids, drafts])
             logits, features = target(verify_ids[None], cache)
-            if key is not None:
-                key, subkey = mx.random.split(key)
-            target_tokens = sample(logits[0], params, None if key is None else subkey)
+            target_tokens = sample(logits[0], params, stream)
             if depth > 0:
                 matches = (drafts == target_tokens[:depth]).astype(mx.int32)
                 accepted_len = mx.cumprod(matches).sum()

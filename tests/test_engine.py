@@ -211,7 +211,7 @@ class PlainPlainDraftPolicy:
 
 
 async def test_lookahead_used_and_discarded_keeps_outputs_exact(qwen3_target_dir, vocab_size):
-    """A looked-ahead plain step that is used or rolled back (cache lengths, sampler keys)
+    """A looked-ahead plain step that is used or rolled back (cache lengths, sampler draws)
     changes nothing: greedy output equals mlx-lm (also with staggered arrivals, so rows join
     while a lookahead is in use), seeded sampling equals the same run without lookahead, and
     the invariants hold after every step. Most lookaheads are built early, on the step's

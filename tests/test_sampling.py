@@ -129,4 +129,3 @@ def test_a_random_stream_is_its_seed_and_count_alone():
     assert abs(mx.mean(many).item() - 0.5) < 0.005
     deciles = [((many >= i / 10) & (many < (i + 1) / 10)).mean().item() for i in range(10)]
     assert all(abs(d - 0.1) < 0.005 for d in deciles), deciles
-

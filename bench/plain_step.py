@@ -1,0 +1,111 @@
+"""A plain decode step: flashbatch's `ModelRunner` against mlx-lm's `BatchGenerator`.
+
+    python bench/plain_step.py [--target DIR] [--rows 8] [--temperature 1]
+        [--workload prose] [--blocks 30] [--block 10]
+
+Both decode the same `rows` workload prompts on the same loaded weights, one plain step per
+row at a time (no drafting, no joins), in alternating blocks of `block` steps (the order
+flips every block), so the host's drift falls on both alike. Reports each one's median step
+and the paired ratio runner / BatchGenerator per block (geometric mean, 90% interval):
+what the engine's step costs beyond the forward both make, without the event loop.
+The runner looks ahead as the engine does (`--no-lookahead` turns it off). Defaults to the
+bundled target.
+"""
+
+from __future__ import annotations
+
+import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
+
+# isort: split
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+from bench.paired import paired_ratio
+from engine.backend_tuning import tune_for_backend
+from engine.bundled.pair import bundled_paths
+from engine.loading import load_pair, load_target_model
+from engine.models.resolve import resolve_target
+from engine.process_tuning import tune_process_if_wanted
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from scheduler.plan import Admission, PrefillChunk, StepPlan
+
+
+def runner_stepper(pair, prompts: list[list[int]], temperature: float,
+                   lookahead: bool) -> Callable[[], None]:  # fmt: skip
+    """A `ModelRunner` holding `prompts` as decoding rows; the function runs one plain step."""
+    runner = ModelRunner(pair.target, None)
+    params = SamplingParams(max_tokens=1 << 20, ignore_eos=True, temperature=temperature)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    runner.execute(StepPlan(
+        admissions=[Admission(r, p, params) for r, p in zip(ids, prompts)],
+        prefills=[PrefillChunk(r, 0, len(p), True) for r, p in zip(ids, prompts)],
+    ))  # fmt: skip
+
+    def step() -> None:
+        plan = StepPlan(depths={r: 0 for r in ids})
+        plan.lookahead = lookahead
+        runner.execute(plan)
+
+    return step
+
+
+def batch_generator_stepper(model, prompts: list[list[int]], temperature: float):
+    """mlx-lm `BatchGenerator` decoding `prompts` (prefilled first); one call, one step."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_sampler
+
+    generator = BatchGenerator(
+        model, max_tokens=1 << 20, completion_batch_size=len(prompts),
+        prefill_batch_size=min(len(prompts), 8), sampler=make_sampler(temp=temperature),
+    )  # fmt: skip
+    generator.insert(prompts, max_tokens=[1 << 20] * len(prompts))
+    while len(generator.next_generated() or ()) < len(prompts):  # until every row decodes
+        pass
+    return generator, generator.next_generated
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=str(bundled_paths()[0]))
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--workload", default="prose")
+    parser.add_argument("--blocks", type=int, default=30)
+    parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args()
+
+    from bench.engine_core import load_prompts
+
+    tune_process_if_wanted()  # the engine's process settings
+    target = str(resolve_target(args.target))
+    pair = load_pair(target, None)
+    tune_for_backend(pair)  # what the engine runs on this backend
+    model, _ = load_target_model(target)  # mlx-lm's own copy, as `bench run` gives it
+    prompts = load_prompts(pair.tokenizer, args.workload, args.rows)
+    ours = runner_stepper(pair, prompts, args.temperature, args.lookahead)
+    generator, theirs = batch_generator_stepper(model, prompts, args.temperature)
+    for _ in range(5):  # warm-up
+        ours(), theirs()
+    seconds: dict[str, list[float]] = {"runner": [], "batch": []}
+    for block in range(args.blocks):
+        order = [("runner", ours), ("batch", theirs)]
+        for name, step in order if block % 2 == 0 else order[::-1]:
+            started = time.perf_counter()
+            for _ in range(args.block):
+                step()
+            seconds[name].append((time.perf_counter() - started) / args.block)
+    generator.close()
+    ratio = paired_ratio([1 / s for s in seconds["batch"]], [1 / s for s in seconds["runner"]])
+    print(f"{target}, {args.rows} rows, T={args.temperature:g}, {args.workload}, "
+          f"lookahead {'on' if args.lookahead else 'off'}: step median runner "
+          f"{statistics.median(seconds['runner']) * 1e3:.2f} ms, BatchGenerator "
+          f"{statistics.median(seconds['batch']) * 1e3:.2f} ms; runner / BatchGenerator "
+          f"step time {ratio.text()} over {args.blocks} blocks of {args.block}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

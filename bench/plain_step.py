@@ -1,15 +1,19 @@
 """A plain decode step: flashbatch's `ModelRunner` against mlx-lm's `BatchGenerator`.
 
     python bench/plain_step.py [--target DIR] [--rows 8] [--temperature 1]
-        [--workload prose] [--blocks 30] [--block 10]
+        [--workload prose] [--blocks 30] [--block 10] [--against batch-generator|held]
 
 Both decode the same `rows` workload prompts on the same loaded weights, one plain step per
 row at a time (no drafting, no joins), in alternating blocks of `block` steps (the order
 flips every block), so the host's drift falls on both alike. Reports each one's median step
-and the paired ratio runner / BatchGenerator per block (geometric mean, 90% interval):
-what the engine's step costs beyond the forward both make, without the event loop.
-The runner looks ahead as the engine does (`--no-lookahead` turns it off). Defaults to the
-bundled target.
+and the paired ratio of step times, runner / BatchGenerator, per block (geometric mean, 90%
+interval): what the engine's step costs beyond the forward both make, without the event loop.
+The runner looks ahead as the engine does (`--no-lookahead` turns it off).
+
+`--against held` compares instead a bare runner with one that holds every row's draft
+sessions (the DFlash drafter's, fed each step's features, and a lookup index, extended and
+matched each step) while every row decodes at depth 0: what a held adaptive engine pays per
+step for being ready to draft. Defaults to the bundled pair.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from bench.paired import paired_ratio
+from drafters.lookup import LookupDrafter
 from engine.backend_tuning import tune_for_backend
 from engine.bundled.pair import bundled_paths
 from engine.loading import load_pair, load_target_model
@@ -33,10 +38,12 @@ from engine.sampling import SamplingParams
 from scheduler.plan import Admission, PrefillChunk, StepPlan
 
 
-def runner_stepper(pair, prompts: list[list[int]], temperature: float,
-                   lookahead: bool) -> Callable[[], None]:  # fmt: skip
-    """A `ModelRunner` holding `prompts` as decoding rows; the function runs one plain step."""
-    runner = ModelRunner(pair.target, None)
+def runner_stepper(pair, prompts: list[list[int]], temperature: float, lookahead: bool,
+                   held: bool = False) -> Callable[[], None]:  # fmt: skip
+    """A `ModelRunner` holding `prompts` as decoding rows; the function runs one plain step.
+    `held`: with the pair's drafter and a lookup index (as the engine's defaults), unused."""
+    lookup = LookupDrafter(2, 8, 15) if held else None
+    runner = ModelRunner(pair.target, pair.drafter if held else None, lookup=lookup)
     params = SamplingParams(max_tokens=1 << 20, ignore_eos=True, temperature=temperature)
     ids = [f"r{i}" for i in range(len(prompts))]
     runner.execute(StepPlan(
@@ -70,6 +77,9 @@ def batch_generator_stepper(model, prompts: list[list[int]], temperature: float)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=str(bundled_paths()[0]))
+    parser.add_argument("--drafter", default=str(bundled_paths()[1]), help="with --against held")
+    parser.add_argument("--against", choices=["batch-generator", "held"],
+                        default="batch-generator")  # fmt: skip
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--workload", default="prose")
@@ -84,10 +94,18 @@ def main() -> None:
     target = str(resolve_target(args.target))
     pair = load_pair(target, None)
     tune_for_backend(pair)  # what the engine runs on this backend
-    model, _ = load_target_model(target)  # mlx-lm's own copy, as `bench run` gives it
     prompts = load_prompts(pair.tokenizer, args.workload, args.rows)
     ours = runner_stepper(pair, prompts, args.temperature, args.lookahead)
-    generator, theirs = batch_generator_stepper(model, prompts, args.temperature)
+    if args.against == "held":
+        drafted = load_pair(target, args.drafter)
+        tune_for_backend(drafted)
+        generator, theirs = None, runner_stepper(drafted, prompts, args.temperature,
+                                                 args.lookahead, held=True)  # fmt: skip
+        other = "held runner"
+    else:
+        model, _ = load_target_model(target)  # mlx-lm's own copy, as `bench run` gives it
+        generator, theirs = batch_generator_stepper(model, prompts, args.temperature)
+        other = "BatchGenerator"
     for _ in range(5):  # warm-up
         ours(), theirs()
     seconds: dict[str, list[float]] = {"runner": [], "batch": []}
@@ -98,12 +116,16 @@ def main() -> None:
             for _ in range(args.block):
                 step()
             seconds[name].append((time.perf_counter() - started) / args.block)
-    generator.close()
-    ratio = paired_ratio([1 / s for s in seconds["batch"]], [1 / s for s in seconds["runner"]])
+    if generator is not None:
+        generator.close()
+    # Step times paired per block: runner / BatchGenerator, or held runner / bare runner.
+    slow, fast = ("batch", "runner") if args.against == "held" else ("runner", "batch")
+    ratio = paired_ratio([1 / s for s in seconds[fast]], [1 / s for s in seconds[slow]])
+    label = f"{other} / runner" if args.against == "held" else f"runner / {other}"
     print(f"{target}, {args.rows} rows, T={args.temperature:g}, {args.workload}, "
           f"lookahead {'on' if args.lookahead else 'off'}: step median runner "
-          f"{statistics.median(seconds['runner']) * 1e3:.2f} ms, BatchGenerator "
-          f"{statistics.median(seconds['batch']) * 1e3:.2f} ms; runner / BatchGenerator "
+          f"{statistics.median(seconds['runner']) * 1e3:.2f} ms, {other} "
+          f"{statistics.median(seconds['batch']) * 1e3:.2f} ms; {label} "
           f"step time {ratio.text()} over {args.blocks} blocks of {args.block}")  # fmt: skip
 
 

@@ -27,8 +27,11 @@ from engine.sampling import SamplingParams
 from scheduler.plan import Admission, PrefillChunk, StepPlan
 
 
-def _admit(runner: ModelRunner, prompts: list[list[int]]) -> list[str]:
-    params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+def _admit(runner: ModelRunner, prompts: list[list[int]],
+           params: SamplingParams | None = None) -> list[str]:  # fmt: skip
+    """Admit and prefill `prompts` as rows r0, r1, ... in one step (greedy, endless unless
+    `params` says otherwise); their ids."""
+    params = params or SamplingParams(max_tokens=1 << 20, ignore_eos=True)
     ids = [f"r{i}" for i in range(len(prompts))]
     plan = StepPlan(
         admissions=[Admission(r, p, params) for r, p in zip(ids, prompts)],

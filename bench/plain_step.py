@@ -26,30 +26,33 @@ import statistics
 import time
 from collections.abc import Callable
 
+from bench.packed_step import _admit  # one prefill admits all
 from bench.paired import paired_ratio
 from drafters.lookup import LookupDrafter
 from engine.backend_tuning import tune_for_backend
 from engine.bundled.pair import bundled_paths
+from engine.config import EngineConfig
 from engine.loading import load_pair, load_target_model
 from engine.models.resolve import resolve_target
 from engine.process_tuning import tune_process_if_wanted
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
-from scheduler.plan import Admission, PrefillChunk, StepPlan
+from scheduler.plan import StepPlan
 
 
 def runner_stepper(pair, prompts: list[list[int]], temperature: float, lookahead: bool,
                    held: bool = False) -> Callable[[], None]:  # fmt: skip
     """A `ModelRunner` holding `prompts` as decoding rows; the function runs one plain step.
-    `held`: with the pair's drafter and a lookup index (as the engine's defaults), unused."""
-    lookup = LookupDrafter(2, 8, 15) if held else None
+    `held`: with the pair's drafter and a lookup index (the engine's defaults), unused."""
+    lookup = None
+    if held:
+        defaults = EngineConfig(target="")
+        lookup = LookupDrafter(defaults.lookup_min_ngram, defaults.lookup_max_ngram,
+                               defaults.lookup_max_depth,
+                               defaults.lookup_depth_per_match or None)  # fmt: skip
     runner = ModelRunner(pair.target, pair.drafter if held else None, lookup=lookup)
     params = SamplingParams(max_tokens=1 << 20, ignore_eos=True, temperature=temperature)
-    ids = [f"r{i}" for i in range(len(prompts))]
-    runner.execute(StepPlan(
-        admissions=[Admission(r, p, params) for r, p in zip(ids, prompts)],
-        prefills=[PrefillChunk(r, 0, len(p), True) for r, p in zip(ids, prompts)],
-    ))  # fmt: skip
+    ids = _admit(runner, prompts, params)
 
     def step() -> None:
         plan = StepPlan(depths={r: 0 for r in ids})

@@ -122,8 +122,9 @@ def test_pending_rows_are_compacted_without_a_forward_and_draft_as_if_given_at_o
     qwen3_target_dir, drafter_dir, monkeypatch
 ):
     """A parked session holds its rows (no drafter forward below the flush cap); every
-    COMPACT_PIECES commits they become one array; its next proposal equals that of a session
-    given the same rows in one commit."""
+    COMPACT_PIECES commits the step slices since the last merge become one array, and rows
+    merged before (the prompt's, earlier merges) are not copied again; its next proposal
+    equals that of a session given the same rows in one commit."""
     from drafters.dflash import drafter as drafter_module
 
     pair = load_pair(qwen3_target_dir, drafter_dir)
@@ -132,21 +133,31 @@ def test_pending_rows_are_compacted_without_a_forward_and_draft_as_if_given_at_o
     real_append = drafter.model.append_context
     monkeypatch.setattr(drafter.model, "append_context",
                         lambda *a: forwards.append(1) or real_append(*a))  # fmt: skip
-    _, feats = pair.target(mx.array([[3 + i % 40 for i in range(100)]]))
+    _, feats = pair.target(mx.array([[3 + i % 40 for i in range(200)]]))
     one_by_one, at_once = drafter.open(), drafter.open()
-    pieces = drafter_module.COMPACT_PIECES
-    for i in range(pieces + 3):
+    pieces, prompt = drafter_module.COMPACT_PIECES, 10
+    total = prompt + 2 * pieces + 2
+    prompt_rows = feats[0, :prompt]
+    drafter.commit(one_by_one, prompt_rows)
+    for i in range(prompt, prompt + pieces - 1):  # the 64th commit merges all 64
+        drafter.commit(one_by_one, feats[0, i : i + 1])
+    first_merge = one_by_one.pending[0]
+    assert len(one_by_one.pending) == 1 and first_merge.shape[0] == prompt + pieces - 1
+    for i in range(prompt + pieces - 1, total):
         drafter.commit(one_by_one, feats[0, i : i + 1])
     assert forwards == []  # parked: nothing written
-    assert len(one_by_one.pending) == 4 and one_by_one.pending_rows == pieces + 3
+    # the first merge is kept as it was (not copied into the second), then 3 steps
+    assert one_by_one.pending[0] is first_merge
+    assert [p.shape[0] for p in one_by_one.pending] == [prompt + pieces - 1, pieces, 1, 1, 1]
+    assert one_by_one.pending_rows == total
     assert one_by_one.context_rows == 0
-    drafter.commit(at_once, feats[0, : pieces + 3])
-    anchor = 3 + (pieces + 3) % 40
+    drafter.commit(at_once, feats[0, :total])
+    anchor = 3 + total % 40
     a = drafter.propose([one_by_one], [anchor], [4])
     b = drafter.propose([at_once], [anchor], [4])
     assert a.tokens.tolist() == b.tokens.tolist()
     assert mx.allclose(a.probs, b.probs, atol=ATOL)
-    assert one_by_one.context_rows == pieces + 3 and one_by_one.pending_rows == 0
+    assert one_by_one.context_rows == total and one_by_one.pending_rows == 0
 
 
 def test_a_steps_opens_and_closes_copy_the_cache_once_each(

@@ -70,4 +70,9 @@ class Drafter(Protocol):
         """One batched draft forward for `sessions` (all depths > 0). Lazy: no host sync."""
         ...
 
+    def take_unevaluated(self) -> list[mx.array]:
+        """Arrays the drafter built lazily outside a proposal (merged buffers), for the
+        caller to compute with its next evaluation; [] when there are none."""
+        ...
+
     def close(self, session: DraftSession) -> None: ...

@@ -690,6 +690,8 @@ class ModelRunner:
             if request_id in logprobs:
                 outcome.logprobs = logprobs[request_id][: a + 1]
             result.outcomes[request_id] = outcome
+        if self.drafter is not None:  # computed with the next step's sync, not now
+            self._to_eval += self.drafter.take_unevaluated()
         result.batch_size = len(self.rows)
         result.verify_tokens = decode.verify_tokens
         result.drafted_rows = decode.drafted_rows

@@ -157,5 +157,8 @@ class ScriptedDrafter:
         tokens = mx.array(rows, dtype=mx.int32)
         return Candidates(tokens=tokens, probs=mx.ones(tokens.shape), depths=list(depths))
 
+    def take_unevaluated(self) -> list[mx.array]:
+        return []
+
     def close(self, session: _ScriptedSession) -> None:
         pass

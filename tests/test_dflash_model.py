@@ -150,6 +150,10 @@ def test_pending_rows_are_compacted_without_a_forward_and_draft_as_if_given_at_o
     assert one_by_one.pending[0] is first_merge
     assert [p.shape[0] for p in one_by_one.pending] == [prompt + pieces - 1, pieces, 1, 1, 1]
     assert one_by_one.pending_rows == total
+    # the merges are left for the caller's next evaluation, handed over once
+    merges = drafter.take_unevaluated()
+    assert [m.shape[0] for m in merges] == [prompt + pieces - 1, pieces]
+    assert merges[1] is one_by_one.pending[1] and drafter.take_unevaluated() == []
     assert one_by_one.context_rows == 0
     drafter.commit(at_once, feats[0, :total])
     anchor = 3 + total % 40

@@ -97,6 +97,7 @@ class DFlashDrafter:
         self._cache: list[RaggedKVCache] = model.make_cache(0)
         self._sessions: list[DFlashSession] = []  # open sessions; cache-row order once synced
         self._cache_rows: list[DFlashSession] = []  # whose row each cache row is
+        self._unevaluated: list[mx.array] = []  # merged pending rows, for the caller's sync
         model.fuse_context_projections()
 
     @property
@@ -157,7 +158,16 @@ class DFlashDrafter:
             merged = mx.concatenate(session.pending[-session.pending_tail :], axis=0)
             session.pending[-session.pending_tail :] = [merged]
             session.pending_tail = 0
-            mx.async_eval(merged)  # the slices' step arrays are released once it is
+            # The slices' step arrays are released once it is computed: by the caller's next
+            # sync (`take_unevaluated`), or by the proposal that reads it. An `async_eval`
+            # here held the host 1-6 ms behind the forward in flight (32 parked rows).
+            self._unevaluated.append(merged)
+
+    def take_unevaluated(self) -> list[mx.array]:
+        """Pending rows merged lazily since the last call, for the caller to compute with
+        its next evaluation (which then releases the step arrays they were sliced from)."""
+        arrays, self._unevaluated = self._unevaluated, []
+        return arrays
 
     def flush(self, sessions: list[DFlashSession], release: bool = True) -> None:
         """Write the sessions' pending rows with a context-only forward (no block); `release`:

@@ -102,8 +102,12 @@ class LookupDrafter:
 
     def match_length(self, session: LookupSession, anchor: int) -> int:
         """Length of the longest earlier match of the suffix ending at `anchor` (0: none)."""
-        session.add(session.cached, [anchor])
-        return session.index.match()[0]
+        index = session.index
+        if len(index) == session.cached:  # the common case, asked of every row every step
+            index.append(anchor)
+        else:
+            session.add(session.cached, [anchor])
+        return index.match()[0]
 
     def draft(self, session: LookupSession, anchor: int, depth: int) -> list[int]:
         """Draft tokens for one session as a list (possibly fewer than `depth`: none on no
@@ -134,6 +138,9 @@ class LookupDrafter:
         """Verification's verdict on the session's latest drafts (for its statistics)."""
         session.drafted += drafted
         session.accepted += accepted
+
+    def take_unevaluated(self) -> list[mx.array]:
+        return []  # nothing lazy: the index is plain Python
 
     def close(self, session: LookupSession) -> None:
         session.index = NGramIndex(self.min_n, self.max_n)  # release the tables now

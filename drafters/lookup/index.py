@@ -41,9 +41,14 @@ class NGramIndex:
         return len(self.tokens)
 
     def append(self, token: int) -> None:
-        tokens, position = self.tokens, len(self.tokens)
-        for n in range(self.min_n, min(self.max_n, position) + 1):
-            self._tables[n - self.min_n][tuple(tokens[position - n : position])] = position
+        tokens, position, min_n = self.tokens, len(self.tokens), self.min_n
+        top = min(self.max_n, position)
+        if top >= min_n:
+            # One tuple of the longest n-gram; the shorter ones are its tails (tuple slices
+            # are C-speed; a list slice and tuple() per n cost twice as much per token).
+            gram, tables = tuple(tokens[position - top :]), self._tables
+            for n in range(min_n, top + 1):
+                tables[n - min_n][gram[top - n :]] = position
         tokens.append(token)
 
     def extend(self, tokens: Iterable[int]) -> None:

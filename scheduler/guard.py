@@ -113,16 +113,21 @@ class DraftingGuard:
         return int(math.log2(max(batch, 1)))
 
     def allows_drafting(self, batch: int) -> bool:
-        """Free for this batch size now (the controller decides), or held plain."""
-        return self._arms(self.bucket(batch)).arm == FREE
+        """Free for this batch size now (the controller decides), or held plain. A pure
+        read: an octave never measured answers with the arm it would start on."""
+        arms = self.arms.get(self.bucket(batch))
+        return (arms.arm if arms is not None else self._first_arm(self.bucket(batch))) == FREE
+
+    def _first_arm(self, bucket: int) -> str:
+        """A new octave starts held above an octave where held won, else free."""
+        below = [b for b in self.arms if b < bucket]
+        return HELD if below and self.arms[max(below)].held_won() else FREE
 
     def _arms(self, bucket: int) -> _Arms:
-        """The octave's arms; a new one starts held above an octave where held won."""
+        """The octave's arms, created on its first measured step."""
         arms = self.arms.get(bucket)
         if arms is None:
-            below = [b for b in self.arms if b < bucket]
-            held = bool(below) and self.arms[max(below)].held_won()
-            arms = self.arms[bucket] = _Arms(arm=HELD if held else FREE)
+            arms = self.arms[bucket] = _Arms(arm=self._first_arm(bucket))
         return arms
 
     def observe(self, batch: int, tokens: int, plain_seconds: float, clean: bool) -> None:

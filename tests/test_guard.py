@@ -116,6 +116,7 @@ def test_each_batch_size_octave_has_its_own_verdict():
     assert not guard.allows_drafting(8) and not guard.allows_drafting(15)
     assert guard.allows_drafting(1)
     assert guard.allows_drafting(2)  # never measured, above a free octave: free
+    assert "batch 2-3" not in guard.state()  # asking did not create its arms
 
 
 def test_a_new_batch_size_above_a_held_one_starts_held_and_still_measures_drafting():

@@ -162,6 +162,11 @@ def test_pending_rows_are_compacted_without_a_forward_and_draft_as_if_given_at_o
     assert a.tokens.tolist() == b.tokens.tolist()
     assert mx.allclose(a.probs, b.probs, atol=ATOL)
     assert one_by_one.context_rows == total and one_by_one.pending_rows == 0
+    # A caller that never takes the merges: the next proposal drops them (a bounded list).
+    for i in range(pieces):
+        drafter.commit(at_once, feats[0, i : i + 1])
+    drafter.propose([one_by_one], [anchor], [2])
+    assert drafter.take_unevaluated() == []
 
 
 def test_a_steps_opens_and_closes_copy_the_cache_once_each(

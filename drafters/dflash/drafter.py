@@ -165,13 +165,16 @@ class DFlashDrafter:
 
     def take_unevaluated(self) -> list[mx.array]:
         """Pending rows merged lazily since the last call, for the caller to compute with
-        its next evaluation (which then releases the step arrays they were sliced from)."""
+        its next evaluation (which then releases the step arrays they were sliced from).
+        A caller that never takes them only loses that early release: each flush and
+        proposal drops the list, so it cannot grow without bound."""
         arrays, self._unevaluated = self._unevaluated, []
         return arrays
 
     def flush(self, sessions: list[DFlashSession], release: bool = True) -> None:
         """Write the sessions' pending rows with a context-only forward (no block); `release`:
         evaluate it now (a proposal that follows at once evaluates it with its own)."""
+        self._unevaluated = []  # see `take_unevaluated`
         sessions = [s for s in sessions if s.pending_rows]
         if not sessions:
             return

@@ -43,6 +43,7 @@ from engine.kv_cache import RaggedKVCache
 from engine.packed import PackedLayout, PrefillSegment
 from engine.prefix_cache import PrefixEntry, PrefixSave
 from engine.sampling import RandomStream, SamplingParams, request_stream, sample, sample_rows
+from engine.slices import MERGE_EVERY, merge_tail
 from engine.target import TargetAdapter
 from scheduler.plan import Admission, PrefillChunk, RowOutcome, StepPlan, StepResult
 from scheduler.sources import DFLASH, LOOKUP
@@ -728,13 +729,9 @@ class ModelRunner:
         """Keep the features of positions that just entered the row's cache."""
         state.feature_log.append(features)
         state.feature_tail += 1
-        if state.feature_tail >= 64:
-            # One array instead of many slices that each keep a whole step's features alive
-            # (only the tail is merged, so no row is copied twice).
-            merged = mx.concatenate(state.feature_log[-state.feature_tail :], axis=0)
-            state.feature_log[-state.feature_tail :] = [merged]
+        if state.feature_tail >= MERGE_EVERY:  # see `engine.slices`
+            self._to_eval.append(merge_tail(state.feature_log, state.feature_tail))
             state.feature_tail = 0
-            self._to_eval.append(merged)
 
     def _save_prefix(self, save: PrefixSave, ahead: bool) -> None:
         """Copy a finished row's first `save.length` cache positions into a new entry."""

@@ -115,8 +115,9 @@ class DraftingGuard:
     def allows_drafting(self, batch: int) -> bool:
         """Free for this batch size now (the controller decides), or held plain. A pure
         read: an octave never measured answers with the arm it would start on."""
-        arms = self.arms.get(self.bucket(batch))
-        return (arms.arm if arms is not None else self._first_arm(self.bucket(batch))) == FREE
+        bucket = self.bucket(batch)
+        arms = self.arms.get(bucket)
+        return (arms.arm if arms is not None else self._first_arm(bucket)) == FREE
 
     def _first_arm(self, bucket: int) -> str:
         """A new octave starts held above an octave where held won, else free."""

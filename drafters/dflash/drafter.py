@@ -39,6 +39,7 @@ from drafters.dflash.config import validate_pairing
 from drafters.dflash.model import DFlashDraftModel
 from drafters.dflash.vocab import DraftHead
 from engine.kv_cache import RaggedKVCache
+from engine.slices import MERGE_EVERY, merge_tail
 
 if TYPE_CHECKING:
     from engine.target import TargetAdapter
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 # cost about as much memory as the drafter's context K/V they become (2.3x on the bundled
 # pair), so this bounds a parked session's memory at about that of 4k drafter positions.
 FLUSH_CAP = 4096
-COMPACT_PIECES = 64  # pending slices merged into one array (releasing their step arrays)
+COMPACT_PIECES = MERGE_EVERY  # pending slices merged into one array (`engine.slices`)
 # What one more (context-only) drafter forward costs, in padded context positions (see
 # `backlogs_to_write_first`). Bundled pair: a context row ~9 us, the forward's fixed part
 # ~1.3 ms; eight rows, one of them 256 pending, went from 35 ms padded to 9.6 ms split.
@@ -152,16 +153,10 @@ class DFlashDrafter:
         if session.pending_rows >= self.flush_cap:
             self.flush([session])
         elif session.pending_tail >= COMPACT_PIECES:
-            # Only the tail is merged: merging the whole list copied a parked session's
-            # prompt rows again every COMPACT_PIECES steps (32 rows of 350-token prompts:
-            # ~60 MB copied every 64 steps).
-            merged = mx.concatenate(session.pending[-session.pending_tail :], axis=0)
-            session.pending[-session.pending_tail :] = [merged]
+            # Computed by the caller's next sync (`take_unevaluated`) or the proposal that
+            # reads it. An `async_eval` here held the host 1-6 ms behind the forward in flight.
+            self._unevaluated.append(merge_tail(session.pending, session.pending_tail))
             session.pending_tail = 0
-            # The slices' step arrays are released once it is computed: by the caller's next
-            # sync (`take_unevaluated`), or by the proposal that reads it. An `async_eval`
-            # here held the host 1-6 ms behind the forward in flight (32 parked rows).
-            self._unevaluated.append(merged)
 
     def take_unevaluated(self) -> list[mx.array]:
         """Pending rows merged lazily since the last call, for the caller to compute with

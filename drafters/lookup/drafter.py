@@ -102,12 +102,8 @@ class LookupDrafter:
 
     def match_length(self, session: LookupSession, anchor: int) -> int:
         """Length of the longest earlier match of the suffix ending at `anchor` (0: none)."""
-        index = session.index
-        if len(index) == session.cached:  # the common case, asked of every row every step
-            index.append(anchor)
-        else:
-            session.add(session.cached, [anchor])
-        return index.match()[0]
+        session.add(session.cached, [anchor])
+        return session.index.match()[0]
 
     def draft(self, session: LookupSession, anchor: int, depth: int) -> list[int]:
         """Draft tokens for one session as a list (possibly fewer than `depth`: none on no

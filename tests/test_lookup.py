@@ -75,7 +75,22 @@ def test_bulk_extend_equals_appending_token_by_token(tokens, bounds, cuts):
         in_chunks.extend(tokens[start:end])
         assert in_chunks.match() == brute_force_match(tokens[:end], *bounds)
     assert in_chunks.tokens == one_by_one.tokens
+    one_by_one.catch_up()
     assert in_chunks._tables == one_by_one._tables
+
+
+def test_index_is_built_only_when_a_match_is_asked_for():
+    """Appending stores tokens and nothing else (a held request pays no more); the next
+    match indexes them all, and finds what an index built token by token finds."""
+    lazy, eager = NGramIndex(2, 4), NGramIndex(2, 4)
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 1, 4, 1]
+    for token in tokens:
+        lazy.append(token)
+        eager.append(token)
+        eager.match()
+        assert all(not table for table in lazy._tables), "indexed before a match was asked for"
+    assert lazy.match() == eager.match() == brute_force_match(tokens, 2, 4)
+    assert lazy._tables == eager._tables
 
 
 def test_proposal_continues_the_most_recent_longest_match():

@@ -1,7 +1,7 @@
 """An incremental n-gram index over one request's tokens, for prompt-lookup drafting.
 
 For every n in [min_n, max_n] a dict maps an n-gram to the position right after its most
-recent occurrence that has a continuation. Appending a token adds one entry per n (the n-gram
+recent occurrence that has a continuation. Indexing a token adds one entry per n (the n-gram
 that ends just before it now has a known next token), so the work per token is constant and
 nothing is ever rescanned.
 
@@ -21,19 +21,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-# From this many tokens `extend` indexes a table at a time (measured: 2.6x faster on 350-token
-# prompts, about even at 3; for one token the setup makes it 3x slower than `append`).
+# From this many new tokens `catch_up` indexes a table at a time (measured: 2.6x faster on
+# 350-token prompts, about even at 3; for one token the setup makes it 3x slower).
 _BULK_FROM = 4
 
 
 class NGramIndex:
-    """Hashed n-grams of one token sequence; see the module docstring."""
+    """Hashed n-grams of one token sequence; see the module docstring.
+
+    Indexing is lazy: `append` and `extend` only store tokens, and the first `match` or
+    `propose` after them indexes what arrived since, a table at a time. A request whose
+    drafting is held for many steps then pays a list append per token on each, and the
+    tokens it gathered are indexed together (at C speed) when a match is asked for again,
+    or never if it finishes held."""
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
+        self.indexed = 0  # positions whose preceding n-grams are in the tables
         # tables[n - min_n]: n-gram -> position of the token that followed its latest occurrence
         self._tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n - min_n + 1)]
 
@@ -41,42 +48,43 @@ class NGramIndex:
         return len(self.tokens)
 
     def append(self, token: int) -> None:
-        tokens, position, min_n = self.tokens, len(self.tokens), self.min_n
-        top = min(self.max_n, position)
-        if top >= min_n:
-            # One tuple of the longest n-gram; the shorter ones are its tails (tuple slices
-            # are C-speed; a list slice and tuple() per n cost twice as much per token).
-            gram, tables = tuple(tokens[position - top :]), self._tables
-            for n in range(min_n, top + 1):
-                tables[n - min_n][gram[top - n :]] = position
-        tokens.append(token)
+        self.tokens.append(int(token))
 
     def extend(self, tokens: Iterable[int]) -> None:
-        """`append` of each token in turn, done a table at a time: the n-grams that end
-        before each new position are built by `zip` over shifted slices and stored by one
-        `dict.update` (later occurrences overwrite earlier ones, as appending would). A
-        prompt's thousands of tokens are indexed at C speed, not ~7 dict writes each in
-        Python (most of the lookup drafter's CPU at 32 rows of 350-token prompts)."""
-        tokens = tokens if isinstance(tokens, list) else list(tokens)
-        if len(tokens) < _BULK_FROM:  # a decode step's few tokens: the loop is cheaper
-            for token in tokens:
-                self.append(int(token))
+        self.tokens.extend(map(int, tokens))
+
+    def catch_up(self) -> None:
+        """Index every position stored since the last call: position p maps the n-grams
+        ending just before it to p (later occurrences overwrite earlier ones)."""
+        tokens, old, length = self.tokens, self.indexed, len(self.tokens)
+        if old == length:
             return
-        tokens = [int(t) for t in tokens]
-        old = len(self.tokens)
-        self.tokens.extend(tokens)
-        all_tokens, length = self.tokens, len(self.tokens)
-        for n in range(self.min_n, self.max_n + 1):
+        self.indexed = length
+        min_n, max_n, tables = self.min_n, self.max_n, self._tables
+        if length - old < _BULK_FROM:  # a step's few tokens: the loop is cheaper
+            for position in range(max(old, min_n), length):
+                # One tuple of the longest n-gram; the shorter ones are its tails (tuple
+                # slices are C-speed; a list slice and tuple() per n cost twice as much).
+                top = min(max_n, position)
+                gram = tuple(tokens[position - top : position])
+                for n in range(min_n, top + 1):
+                    tables[n - min_n][gram[top - n :]] = position
+            return
+        # The n-grams before each new position built by `zip` over shifted slices and
+        # stored by one `dict.update` per table: a prompt's thousands of tokens at C speed,
+        # not ~7 dict writes each in Python.
+        for n in range(min_n, max_n + 1):
             first = max(n, old)  # positions first..length-1 gain the n-gram before them
             if first >= length:
                 continue
-            grams = zip(*(all_tokens[first - n + k : length - n + k] for k in range(n)))
-            self._tables[n - self.min_n].update(zip(grams, range(first, length)))
+            grams = zip(*(tokens[first - n + k : length - n + k] for k in range(n)))
+            tables[n - min_n].update(zip(grams, range(first, length)))
 
     def match(self) -> tuple[int, int]:
         """(n, position): the longest suffix n-gram seen before and the position of the token
         that followed its latest earlier occurrence; (0, -1) when no suffix of at least min_n
         tokens occurred before."""
+        self.catch_up()
         tokens, length = self.tokens, len(self.tokens)
         # An n-gram seen before with a continuation ends in a min_n-gram seen before with the
         # same continuation: when the shortest suffix has no match, none has (one lookup,

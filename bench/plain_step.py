@@ -11,9 +11,10 @@ interval): what the engine's step costs beyond the forward both make, without th
 The runner looks ahead as the engine does (`--no-lookahead` turns it off).
 
 `--against held` compares instead a bare runner with one that holds every row's draft
-sessions (the DFlash drafter's, fed each step's features, and a lookup index, extended and
-matched each step) while every row decodes at depth 0: what a held adaptive engine pays per
-step for being ready to draft. Defaults to the bundled pair.
+sessions (the DFlash drafter's, fed each step's features, and a lookup index, extended each
+step but not matched, as the engine plans a held step) and logs features for the prefix
+cache (the engine's default), while every row decodes at depth 0: what a held adaptive
+engine pays per step for being ready to draft. Defaults to the bundled pair.
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ def runner_stepper(pair, prompts: list[list[int]], temperature: float, lookahead
                                defaults.lookup_max_depth,
                                defaults.lookup_depth_per_match or None)  # fmt: skip
     runner = ModelRunner(pair.target, pair.drafter if held else None, lookup=lookup)
+    runner.prefix_caching = True  # as the engine's default (it logs features with a drafter)
     params = SamplingParams(max_tokens=1 << 20, ignore_eos=True, temperature=temperature)
     ids = _admit(runner, prompts, params)
 
     def step() -> None:
         plan = StepPlan(depths={r: 0 for r in ids})
         plan.lookahead = lookahead
+        plan.match_lookup = not held  # a held engine asks for no lookup match
         runner.execute(plan)
 
     return step

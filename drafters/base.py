@@ -64,6 +64,14 @@ class Drafter(Protocol):
         the tokens at those positions (the anchor and accepted drafts of a verify step)."""
         ...
 
+    def commit_step(
+        self, features: mx.array, blocks: list[tuple[DraftSession, int, Sequence[int]]]
+    ) -> None:
+        """`commit` for a decode step's rows at once: `features` [N, F] holds the whole step,
+        and each block (session, start, tokens) puts that session's committed positions at
+        rows start..start+len(tokens)-1 (so a drafter need not slice each row apart)."""
+        ...
+
     def propose(
         self, sessions: list[DraftSession], anchors: list[int], depths: list[int]
     ) -> Candidates:

@@ -43,7 +43,7 @@ from engine.kv_cache import RaggedKVCache
 from engine.packed import PackedLayout, PrefillSegment
 from engine.prefix_cache import PrefixEntry, PrefixSave
 from engine.sampling import RandomStream, SamplingParams, request_stream, sample, sample_rows
-from engine.slices import MERGE_EVERY, merge_tail
+from engine.slices import FeatureJournal
 from engine.target import TargetAdapter
 from scheduler.plan import Admission, PrefillChunk, RowOutcome, StepPlan, StepResult
 from scheduler.sources import DFLASH, LOOKUP
@@ -55,7 +55,7 @@ def _allows(params: SamplingParams, source: str) -> bool:
     return params.draft_sources is None or source in params.draft_sources
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity (a feature journal's owner)
 class _RowState:
     """A request's MLX-side state."""
 
@@ -71,8 +71,8 @@ class _RowState:
     prefill_features: list[mx.array] = field(default_factory=list)
     # With prefix caching and a drafter: the target features of the row's cache positions
     # (with its KV, what a finished row leaves in the prefix cache for the drafter).
+    # (Decode steps' rows are journalled first: `ModelRunner._feature_journal`.)
     feature_log: list[mx.array] = field(default_factory=list)
-    feature_tail: int = 0  # step slices at the end of the log, not yet merged
 
     @property
     def draws(self) -> int:
@@ -105,12 +105,15 @@ class _Decode:
     # (`layout.index(b, i)`); None when the forward was padded to `width + 1` per row.
     layout: PackedLayout | None = None
 
-    def row_features(self, row: int, count: int) -> mx.array:
-        """Features of the first `count` verify positions of `row`."""
+    def flat_features(self) -> mx.array:
+        """The features as [positions, F]: row b's verify positions from `row_start(b)` on."""
         if self.layout is None:
-            return self.features[row, :count]
-        start = self.layout.starts[row]
-        return self.features[start : start + count]
+            return self.features.reshape(-1, self.features.shape[-1])
+        return self.features
+
+    def row_start(self, row: int) -> int:
+        """Where `row`'s first verify position lies in `flat_features()`."""
+        return row * (self.width + 1) if self.layout is None else self.layout.starts[row]
 
     def trims(self, accepted: list[int]) -> list[int]:
         """Cache positions to roll back per row: all it wrote past its accepted drafts."""
@@ -200,7 +203,9 @@ class ModelRunner:
         # Prefix cache entries by id (the scheduler's PrefixIndex decides what is kept).
         self.prefix_entries: dict[int, PrefixEntry] = {}
         self.prefix_caching = False  # the engine turns it on with a budget
-        self._to_eval: list[mx.array] = []  # new entries and compacted logs, for the sync
+        self._to_eval: list[mx.array] = []  # new entries and gathered logs, for the sync
+        # Prefix caching with a drafter: decode steps' features, journalled for the rows' logs.
+        self._feature_journal: FeatureJournal[_RowState] = FeatureJournal()
         # OpenBLAS's thread count for small forwards, where an operator set one (CPU backend).
         self.blas = blas_threads()
 
@@ -278,7 +283,7 @@ class ModelRunner:
 
         result = StepResult(prefill_tokens=prefill_tokens, discarded_seconds=discarded_seconds)
         if decode is not None:
-            self._commit(decode, result)
+            self._commit(decode, result, plan.match_lookup)
         result.first_tokens = {r: int(token.item()) for r, token in first_tokens.items()}
         for lazy in first_logprobs:
             for request_id, (first,) in lazy.to_host().items():
@@ -662,13 +667,17 @@ class ModelRunner:
         params, streams = [s.params for s in states], [s.random for s in states]
         return sample_rows(logits.reshape(B * W, V), params, streams, [W] * B).reshape(B, W)
 
-    def _commit(self, decode: _Decode, result: StepResult) -> None:
+    def _commit(self, decode: _Decode, result: StepResult, match_lookup: bool = True) -> None:
         targets = decode.targets.tolist()
         accepted = decode.accepted.tolist()
         logprobs = decode.logprobs.to_host() if decode.logprobs is not None else {}
         trims = decode.trims(accepted)
         for layer_cache in self.cache:
             layer_cache.trim_rows(trims)
+        # Features of the positions now in the cache, journalled whole, one block per row
+        # (`engine.slices`): for the rows' DFlash sessions and the prefix cache's log.
+        logging = self.prefix_caching and self.drafter is not None and decode.features is not None
+        drafter_blocks, log_blocks = [], []
         for i, request_id in enumerate(self.rows):
             state = self.states[request_id]
             a = accepted[i]
@@ -677,20 +686,27 @@ class ModelRunner:
             # Both sessions see every committed position, whichever source proposed it.
             cached = [state.anchor] + committed[:a]  # positions now in the target cache
             if state.session is not None:
-                self.drafter.commit(state.session, decode.row_features(i, a + 1), cached)
-            if self.prefix_caching and self.drafter is not None and decode.features is not None:
-                # kept even for a row that does not draft with DFlash: a later hit may
-                self._log_features(state, decode.row_features(i, a + 1))
+                drafter_blocks.append((state.session, decode.row_start(i), cached))
+            if logging:  # kept even for a row that does not draft with DFlash: a later hit may
+                log_blocks.append((state, decode.row_start(i), a + 1))
             state.anchor = committed[-1]
             if state.lookup is not None:
                 self.lookup.commit(state.lookup, None, cached)
                 if source == LOOKUP:
                     self.lookup.record(state.lookup, decode.depths[i], a)
-                state.lookup_match = self.lookup.match_length(state.lookup, state.anchor)
+                state.lookup_match = (
+                    self.lookup.match_length(state.lookup, state.anchor) if match_lookup else 0
+                )
             outcome = RowOutcome(committed, decode.depths[i], a, source)
             if request_id in logprobs:
                 outcome.logprobs = logprobs[request_id][: a + 1]
             result.outcomes[request_id] = outcome
+        if drafter_blocks or log_blocks:
+            features = decode.flat_features()
+            if drafter_blocks:
+                self.drafter.commit_step(features, drafter_blocks)
+            if log_blocks and self._feature_journal.record(features, log_blocks):
+                self._gather_feature_log()
         if self.drafter is not None:  # computed with the next step's sync, not now
             self._to_eval += self.drafter.take_unevaluated()
         result.batch_size = len(self.rows)
@@ -725,13 +741,13 @@ class ModelRunner:
         self.states[admission.request_id] = state
 
     # ----------------------------------------------------------------- prefix cache
-    def _log_features(self, state: _RowState, features: mx.array) -> None:
-        """Keep the features of positions that just entered the row's cache."""
-        state.feature_log.append(features)
-        state.feature_tail += 1
-        if state.feature_tail >= MERGE_EVERY:  # see `engine.slices`
-            self._to_eval.append(merge_tail(state.feature_log, state.feature_tail))
-            state.feature_tail = 0
+    def _gather_feature_log(self) -> None:
+        """Append each row's journalled decode features to its log (rows gone are dropped);
+        computed with the next sync."""
+        for state, features in self._feature_journal.gather().items():
+            if self.states.get(state.request_id) is state:
+                state.feature_log.append(features)
+                self._to_eval.append(features)
 
     def _save_prefix(self, save: PrefixSave, ahead: bool) -> None:
         """Copy a finished row's first `save.length` cache positions into a new entry."""
@@ -744,6 +760,8 @@ class ModelRunner:
         keys = [mx.contiguous(c.keys[row : row + 1, :, :n, :]) for c in self.cache]
         values = [mx.contiguous(c.values[row : row + 1, :, :n, :]) for c in self.cache]
         features = None
+        if state in self._feature_journal.rows:
+            self._gather_feature_log()
         if state.feature_log:
             features = mx.concatenate(state.feature_log, axis=0)[:n]
         entry = PrefixEntry(keys, values, features, n)

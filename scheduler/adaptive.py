@@ -725,6 +725,10 @@ class AdaptiveDepthPolicy:
             self._pending_draft = None
             self.cost.observe(*step, seconds + max(0.0, excess))
 
+    def holds_drafting(self, batch: int) -> bool:
+        """Will a batch of this size be held plain (no row drafts, no row is planned)?"""
+        return self._held(batch)
+
     def _held(self, batch: int) -> bool:
         """The guard holds this batch size plain (drafting measured slower there)."""
         return self.guard is not None and not self.guard.allows_drafting(batch)

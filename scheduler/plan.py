@@ -54,6 +54,9 @@ class StepPlan:
     # Rows the policy would draft for by lookup as soon as their suffix matches: the runner
     # launches no lookahead when one of them has a match after this step.
     lookup_watch: set[str] = field(default_factory=set)
+    # Report every row's lookup match for the next plan. False while the policy holds
+    # drafting: nobody reads the matches then, and the lookup indexes only store tokens.
+    match_lookup: bool = True
 
     @property
     def empty(self) -> bool:

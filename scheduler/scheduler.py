@@ -162,7 +162,10 @@ class Scheduler:
             observe_queue = getattr(self.policy, "observe_queue", None)
             if observe_queue is not None:  # what a token is worth depends on who waits
                 observe_queue(len(self.waiting))
-            options = {r.request_id: self._options(r) for r in self.running}
+            # Held: the policy drafts for no row, so no row's options are worked out and
+            # the runner leaves lookup matches unasked (see `StepPlan.match_lookup`).
+            held = self._drafting_held()
+            options = {} if held else {r.request_id: self._options(r) for r in self.running}
             chosen, sources = self._choose(options)
             for request in self.running:
                 rid = request.request_id
@@ -172,8 +175,10 @@ class Scheduler:
                 if depth:
                     plan.sources[rid] = sources[rid]
                 else:
-                    self.last_parked[rid] = self._parked_reason(request, chosen[rid], options[rid])
-            plan.lookup_watch = self._lookup_watch()
+                    reason = self._parked_reason(request, chosen[rid], options.get(rid))
+                    self.last_parked[rid] = reason
+            plan.match_lookup = not held
+            plan.lookup_watch = set() if held else self._lookup_watch()
         self.last_depths = dict(plan.depths)
         plan.lookahead = (
             not any(plan.depths.values())
@@ -220,8 +225,9 @@ class Scheduler:
         depths, sources = {}, {}
         for request in self.running:
             rid = request.request_id
-            source = fallback_source(options[rid])
-            depth = min(chosen[rid], options[rid].depth_limit(source)) if source else 0
+            option = options.get(rid)  # none while drafting is held
+            source = fallback_source(option) if option is not None else None
+            depth = min(chosen[rid], option.depth_limit(source)) if source else 0
             depths[rid] = depth
             if depth:
                 sources[rid] = source
@@ -248,15 +254,21 @@ class Scheduler:
         hint = getattr(self.policy, "expects_plain_next", None)
         return bool(hint is not None and hint())
 
-    def _parked_reason(self, request: Request, chosen: int, options: DraftOptions) -> str:
-        """Why a request decodes without drafting this step (a metric label)."""
+    def _drafting_held(self) -> bool:
+        """Does the policy hold this batch size plain (no row drafts, whatever it matches)?"""
+        holds = getattr(self.policy, "holds_drafting", None)
+        return bool(holds is not None and holds(len(self.running)))
+
+    def _parked_reason(self, request: Request, chosen: int, options: DraftOptions | None) -> str:
+        """Why a request decodes without drafting this step (a metric label); `options`:
+        None when drafting is held for the whole batch."""
         if self.max_depth == 0:
             return "no_drafter"
         if request.params.num_speculative_tokens == 0 or request.params.draft_sources == []:
             return "request_disabled"
         if chosen > 0 or request.params.max_tokens - request.generated <= 1:
             return "token_budget"  # one token left: nothing to draft for
-        if not options.sources:
+        if options is not None and not options.sources:
             return "no_match"  # lookup was the only source and nothing matched
         reason = getattr(self.policy, "parked_reasons", {}).get(request.request_id)
         return reason or "policy"

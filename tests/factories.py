@@ -137,6 +137,11 @@ class ScriptedDrafter:
         assert len(tokens) == features.shape[0], "every committed row comes with its token"
         session.tokens += list(tokens)
 
+    def commit_step(self, features, blocks) -> None:
+        for session, start, tokens in blocks:
+            assert start + len(tokens) <= features.shape[0], "a block past the step's rows"
+            self.commit(session, features[start : start + len(tokens)], tokens)
+
     def propose(self, sessions, anchors, depths) -> Candidates:
         rows = []
         width = max(depths)

@@ -118,14 +118,16 @@ def test_flush_cap_writes_pending_rows_while_parked(qwen3_target_dir, drafter_di
     drafter.close(session)
 
 
-def test_pending_rows_are_compacted_without_a_forward_and_draft_as_if_given_at_once(
+def test_journalled_steps_are_gathered_without_a_forward_and_draft_as_if_given_at_once(
     qwen3_target_dir, drafter_dir, monkeypatch
 ):
-    """A parked session holds its rows (no drafter forward below the flush cap); every
-    COMPACT_PIECES commits the step slices since the last merge become one array, and rows
-    merged before (the prompt's, earlier merges) are not copied again; its next proposal
-    equals that of a session given the same rows in one commit."""
-    from drafters.dflash import drafter as drafter_module
+    """Parked sessions hold their rows (no drafter forward below the flush cap). A decode
+    step's rows arrive as one array for all sessions (`commit_step`) and are journalled, not
+    sliced; every MERGE_EVERY steps each session's rows are gathered into an array of its own
+    (not a view of one shared by all), handed once to the caller's next sync; a closed
+    session's journalled rows are dropped; and the next proposal equals that of a session
+    given the same rows in one commit."""
+    from engine.slices import MERGE_EVERY
 
     pair = load_pair(qwen3_target_dir, drafter_dir)
     drafter = pair.drafter
@@ -133,39 +135,66 @@ def test_pending_rows_are_compacted_without_a_forward_and_draft_as_if_given_at_o
     real_append = drafter.model.append_context
     monkeypatch.setattr(drafter.model, "append_context",
                         lambda *a: forwards.append(1) or real_append(*a))  # fmt: skip
-    _, feats = pair.target(mx.array([[3 + i % 40 for i in range(200)]]))
-    one_by_one, at_once = drafter.open(), drafter.open()
-    pieces, prompt = drafter_module.COMPACT_PIECES, 10
-    total = prompt + 2 * pieces + 2
-    prompt_rows = feats[0, :prompt]
-    drafter.commit(one_by_one, prompt_rows)
-    for i in range(prompt, prompt + pieces - 1):  # the 64th commit merges all 64
-        drafter.commit(one_by_one, feats[0, i : i + 1])
-    first_merge = one_by_one.pending[0]
-    assert len(one_by_one.pending) == 1 and first_merge.shape[0] == prompt + pieces - 1
-    for i in range(prompt + pieces - 1, total):
-        drafter.commit(one_by_one, feats[0, i : i + 1])
+    length, prompt, width = 400, 10, 3
+    _, feats = pair.target(mx.array([[3 + i % 40 for i in range(length)]]))
+    feats = feats[0]
+    first, second, leaving = drafter.open(), drafter.open(), drafter.open()
+    for session in (first, second, leaving):
+        drafter.commit(session, feats[:prompt])
+    # Each step: 3 rows of `width` verify positions; `first` commits 1 or 2 of its own,
+    # `second` always 1, `leaving` 1 (it closes midway). Rows 0 and 2 read the same
+    # features for simplicity; row 1 reads features shifted by one (checked below).
+    positions = {first: prompt, second: prompt, leaving: prompt}
+    steps = MERGE_EVERY + 5
+    for step in range(steps):
+        counts = {first: 1 + step % 2, second: 1, leaving: 1}
+        rows = []
+        for session in (first, second, leaving):
+            at = positions[session]
+            rows.append(
+                feats[at : at + width] if session is not second else feats[at + 1 : at + 1 + width]
+            )
+        live = (first, second, leaving) if step <= 20 else (first, second)
+        blocks = [(s, r * width, list(range(counts[s]))) for r, s in enumerate(live)]
+        drafter.commit_step(mx.concatenate(rows), blocks)
+        for session, _, tokens in blocks:
+            positions[session] += len(tokens)
+        if step == 20:
+            drafter.close(leaving)
+        if step == MERGE_EVERY - 1:
+            gathered = drafter.take_unevaluated()
+            assert len(gathered) == 2  # one array per open session, the closed one dropped
+            assert [len(s.pending) for s in (first, second)] == [2, 2]
+            assert gathered[0] is first.pending[1] and gathered[1] is second.pending[1]
+            assert first.pending[1].shape[0] == positions[first] - prompt
+            assert drafter.take_unevaluated() == []
+        else:
+            assert drafter.take_unevaluated() == []
     assert forwards == []  # parked: nothing written
-    # the first merge is kept as it was (not copied into the second), then 3 steps
-    assert one_by_one.pending[0] is first_merge
-    assert [p.shape[0] for p in one_by_one.pending] == [prompt + pieces - 1, pieces, 1, 1, 1]
-    assert one_by_one.pending_rows == total
-    # the merges are left for the caller's next evaluation, handed over once
-    merges = drafter.take_unevaluated()
-    assert [m.shape[0] for m in merges] == [prompt + pieces - 1, pieces]
-    assert merges[1] is one_by_one.pending[1] and drafter.take_unevaluated() == []
-    assert one_by_one.context_rows == 0
-    drafter.commit(at_once, feats[0, :total])
-    anchor = 3 + total % 40
-    a = drafter.propose([one_by_one], [anchor], [4])
+    for session in (first, second):
+        assert session.pending_rows == positions[session] and session.context_rows == 0
+    assert len(first.pending) == 2  # the last 5 steps still in the journal
+    at_once = drafter.open()
+    drafter.commit(at_once, feats[: positions[first]])
+    anchor = 7
+    a = drafter.propose([first], [anchor], [4])
     b = drafter.propose([at_once], [anchor], [4])
     assert a.tokens.tolist() == b.tokens.tolist()
     assert mx.allclose(a.probs, b.probs, atol=ATOL)
-    assert one_by_one.context_rows == total and one_by_one.pending_rows == 0
-    # A caller that never takes the merges: the next proposal drops them (a bounded list).
-    for i in range(pieces):
-        drafter.commit(at_once, feats[0, i : i + 1])
-    drafter.propose([one_by_one], [anchor], [2])
+    assert first.context_rows == positions[first] and first.pending_rows == 0
+    # `second`'s rows were the shifted ones: its context is not `first`'s.
+    shifted = drafter.open()
+    drafter.commit(
+        shifted, mx.concatenate([feats[:prompt], feats[prompt + 1 : positions[second] + 1]])
+    )
+    c = drafter.propose([second], [anchor], [4])
+    d = drafter.propose([shifted], [anchor], [4])
+    assert c.tokens.tolist() == d.tokens.tolist()
+    assert mx.allclose(c.probs, d.probs, atol=ATOL)
+    # A caller that never takes the gathered rows: the next proposal drops them.
+    for _ in range(MERGE_EVERY):
+        drafter.commit_step(feats[:1], [(at_once, 0, [0])])
+    drafter.propose([at_once], [anchor], [2])
     assert drafter.take_unevaluated() == []
 
 

@@ -451,3 +451,41 @@ async def test_no_lookahead_while_a_row_that_would_take_lookup_has_a_match(
     assert len(kept[True]) <= matched[True].count(False)
     assert len(kept[False]) >= len(kept[True]) + sum(matched[True]) - 1
     assert unbuilt[True] and not unbuilt[False]
+
+
+class HeldPolicy(PlainPolicy):
+    """Never drafts; `held` answers `holds_drafting` (a guard holding every batch size)."""
+
+    def __init__(self, held: bool) -> None:
+        super().__init__(wants=False)
+        self.held = held
+
+    def holds_drafting(self, batch: int) -> bool:
+        return self.held
+
+
+async def test_a_held_engine_asks_for_no_lookup_match_and_indexes_nothing(
+    qwen3_target_dir, vocab_size
+):
+    """While the policy holds drafting nobody reads lookup matches: the runner reports 0 for
+    every row and the lookup index only stores tokens (indexed at the join, then no further);
+    not held, the same run matches and indexes every step. Output is plain greedy both ways."""
+    prompt = repetitive_prompt(1, vocab_size, unit=2, times=6)
+    model, _ = load_target_model(qwen3_target_dir)
+    matched, indexed = {}, {}
+    for held in (True, False):
+        config = EngineConfig(target=str(qwen3_target_dir), max_num_seqs=2)
+        async with AsyncEngine(config, depth_policy=HeldPolicy(held)) as engine:
+            runner = engine._runner
+            matched[held], indexed[held] = [], []
+
+            def seen(result, h=held, run=runner):
+                matched[h].append(any(result.lookup_matches.values()))
+                indexed[h] += [s.index.indexed for s in run.lookup_sessions().values()]
+
+            engine.step_hooks.append(seen)
+            results = await run_all(engine, [("w", prompt, 24, None, 0)])
+        assert results[0][0] == plain_greedy(model, prompt, 24)
+    assert not any(matched[True]) and sum(matched[False]) >= 2
+    assert len(set(indexed[True])) == 1  # the join's, never more
+    assert len(set(indexed[False])) > 10

@@ -203,3 +203,40 @@ def test_lookup_now_and_then_neither_resets_nor_blocks_the_dflash_probe_backoff(
     acceptance[("r0", DFLASH)] = [0.95] * 15
     history = run(sim, policy, reqs, 1500)
     assert sum(1 for _, _, dflash_rows in history[-200:] if dflash_rows) >= 100
+
+
+def test_a_held_batch_plans_no_row_and_asks_for_no_lookup_match():
+    """A policy holding drafting for this batch size: every row parks for the policy's
+    reason, no row's options are worked out, nobody is watched for a lookup match, and
+    the runner is told not to match (`StepPlan.match_lookup`)."""
+
+    class Held(FixedDepthPolicy):
+        parked_reasons: dict[str, str] = {}
+
+        def holds_drafting(self, batch: int) -> bool:
+            return batch >= 2
+
+        def choose_drafts(self, requests, options):
+            if self.holds_drafting(len(requests)):
+                assert options == {}, "a held step works out no row's options"
+                self.parked_reasons = dict.fromkeys(
+                    (r.request_id for r in requests), "measured_slower"
+                )
+                return {r.request_id: 0 for r in requests}, {}
+            return {r.request_id: 0 for r in requests}, {}
+
+    scheduler = Scheduler(SchedulerLimits(), Held(4), 15, {DFLASH: 15, LOOKUP: 6})
+    for rid in "ab":
+        params = SamplingParams(max_tokens=100)
+        request = Request(rid, [1, 2], params, StopChecker(params))
+        request.status = RequestStatus.RUNNING
+        scheduler.requests[rid] = request
+        scheduler.running.append(request)
+    scheduler.apply(StepResult(lookup_matches={"a": 3, "b": 2}))
+    plan = scheduler.plan()
+    assert plan.depths == {"a": 0, "b": 0} and not plan.match_lookup
+    assert plan.lookup_watch == set()
+    assert scheduler.last_parked == {"a": "measured_slower", "b": "measured_slower"}
+    scheduler.running.pop()  # one row: not held, planned as before
+    plan = scheduler.plan()
+    assert plan.match_lookup and plan.lookup_watch == {"a"}

@@ -10,11 +10,12 @@ Session rules (after Ollama's DFlash draft session):
   bundled pair, 32 clients, 350-token prompts, drafting parked: writing every prompt at its
   join (the old rule, a flush at 256 pending rows) cost the adaptive engine 23% more CPU
   than drafting off and 16% of its throughput; waiting costs neither;
-- pending rows are slices of each step's feature array, which they keep alive; every
-  `COMPACT_PIECES` commits the slices since the last merge are copied into one array (a
-  memory copy, no forward; rows merged before are not copied again), and only past
-  `flush_cap` rows (a long request that never drafts) are they written by a context-only
-  forward, to bound the memory a parked session holds;
+- a step's rows arrive together (`commit_step`): the step's feature array is journalled
+  once for all sessions (`engine.slices.FeatureJournal`), and every `MERGE_EVERY` steps, or
+  when a session's rows are needed, each session's journalled rows are gathered into one
+  array of its own (a memory copy, no forward; one op per session per 64 steps, not one per
+  step). Only past `flush_cap` rows (a long request that never drafts) are they written by
+  a context-only forward, to bound the memory a parked session holds;
 - invariant: ``context_rows + pending_rows == target cache length`` after every step;
 - opening and closing sessions only mark membership: the cache's rows follow at its next use,
   in one filter and one append however many sessions came and went (a step's joins and
@@ -39,7 +40,7 @@ from drafters.dflash.config import validate_pairing
 from drafters.dflash.model import DFlashDraftModel
 from drafters.dflash.vocab import DraftHead
 from engine.kv_cache import RaggedKVCache
-from engine.slices import MERGE_EVERY, merge_tail
+from engine.slices import FeatureJournal
 
 if TYPE_CHECKING:
     from engine.target import TargetAdapter
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 # cost about as much memory as the drafter's context K/V they become (2.3x on the bundled
 # pair), so this bounds a parked session's memory at about that of 4k drafter positions.
 FLUSH_CAP = 4096
-COMPACT_PIECES = MERGE_EVERY  # pending slices merged into one array (`engine.slices`)
 # What one more (context-only) drafter forward costs, in padded context positions (see
 # `backlogs_to_write_first`). Bundled pair: a context row ~9 us, the forward's fixed part
 # ~1.3 ms; eight rows, one of them 256 pending, went from 35 ms padded to 9.6 ms split.
@@ -60,9 +60,8 @@ class DFlashSession:
 
     def __init__(self, drafter: DFlashDrafter) -> None:
         self._drafter = drafter
-        self.pending: list[mx.array] = []
-        self.pending_rows = 0
-        self.pending_tail = 0  # step slices at the end of `pending`, not yet merged
+        self.pending: list[mx.array] = []  # gathered rows (the journal may hold more)
+        self.pending_rows = 0  # all rows not yet written: in `pending` and in the journal
 
     @property
     def context_rows(self) -> int:
@@ -98,7 +97,8 @@ class DFlashDrafter:
         self._cache: list[RaggedKVCache] = model.make_cache(0)
         self._sessions: list[DFlashSession] = []  # open sessions; cache-row order once synced
         self._cache_rows: list[DFlashSession] = []  # whose row each cache row is
-        self._unevaluated: list[mx.array] = []  # merged pending rows, for the caller's sync
+        self._journal: FeatureJournal[DFlashSession] = FeatureJournal()
+        self._unevaluated: list[mx.array] = []  # gathered pending rows, for the caller's sync
         model.fuse_context_projections()
 
     @property
@@ -123,8 +123,8 @@ class DFlashDrafter:
 
     def close(self, session: DFlashSession) -> None:
         self._sessions.remove(session)
-        session.pending.clear()
-        session.pending_rows = session.pending_tail = 0
+        session.pending.clear()  # its journalled rows are skipped at the next gather
+        session.pending_rows = 0
 
     def _sync_rows(self) -> None:
         """Drop closed sessions' rows (one filter), append opened ones (one extend). Sessions
@@ -144,23 +144,50 @@ class DFlashDrafter:
         self, session: DFlashSession, features: mx.array, tokens: Sequence[int] = ()
     ) -> None:
         """Buffer feature rows [n, F] of newly committed target positions (DFlash conditions
-        on features only; the tokens are not needed)."""
+        on features only; the tokens are not needed). A decode step's rows come through
+        `commit_step` instead."""
         if features.shape[0] == 0:
             return
+        if session in self._journal.rows:  # its journalled rows come first
+            self._gather()
         session.pending.append(features)
         session.pending_rows += features.shape[0]
-        session.pending_tail += 1
         if session.pending_rows >= self.flush_cap:
             self.flush([session])
-        elif session.pending_tail >= COMPACT_PIECES:
+
+    def commit_step(
+        self, features: mx.array, blocks: list[tuple[DFlashSession, int, Sequence[int]]]
+    ) -> None:
+        """One decode step's committed positions for many sessions: `features` [N, F] is the
+        step's whole feature array, and each block (session, start, tokens) says the session's
+        positions are rows start..start+len(tokens)-1 of it. Journalled, not sliced (see the
+        module docstring)."""
+        rows, over = [], []
+        for session, start, tokens in blocks:
+            count = len(tokens)
+            rows.append((session, start, count))
+            session.pending_rows += count
+            if session.pending_rows >= self.flush_cap:
+                over.append(session)
+        if self._journal.record(features, rows) or over:
             # Computed by the caller's next sync (`take_unevaluated`) or the proposal that
-            # reads it. An `async_eval` here held the host 1-6 ms behind the forward in flight.
-            self._unevaluated.append(merge_tail(session.pending, session.pending_tail))
-            session.pending_tail = 0
+            # reads them; an `async_eval` here would hold the host behind the forward in flight.
+            self._gather()
+        if over:
+            self.flush(over)
+
+    def _gather(self) -> None:
+        """Move every open session's journalled rows into its pending list."""
+        gathered = self._journal.gather()
+        open_sessions = set(self._sessions)
+        for session, rows in gathered.items():
+            if session in open_sessions:
+                session.pending.append(rows)
+                self._unevaluated.append(rows)
 
     def take_unevaluated(self) -> list[mx.array]:
-        """Pending rows merged lazily since the last call, for the caller to compute with
-        its next evaluation (which then releases the step arrays they were sliced from).
+        """Pending rows gathered lazily since the last call, for the caller to compute with
+        its next evaluation (which then releases the step arrays they were taken from).
         A caller that never takes them only loses that early release: each flush and
         proposal drops the list, so it cannot grow without bound."""
         arrays, self._unevaluated = self._unevaluated, []
@@ -170,6 +197,8 @@ class DFlashDrafter:
         """Write the sessions' pending rows with a context-only forward (no block); `release`:
         evaluate it now (a proposal that follows at once evaluates it with its own)."""
         self._unevaluated = []  # see `take_unevaluated`
+        if len(self._journal):
+            self._gather()
         sessions = [s for s in sessions if s.pending_rows]
         if not sessions:
             return
@@ -192,7 +221,7 @@ class DFlashDrafter:
         if any(not 0 < d <= self.max_depth for d in depths):
             raise ValueError(f"depths {depths} must lie in [1, {self.max_depth}]")
         first = backlogs_to_write_first([s.pending_rows for s in sessions], sessions)
-        self.flush(first, release=False)
+        self.flush(first, release=False)  # gathers the journal too
         rows = [self.row_of(s) for s in sessions]
         cache = self._rows_view(rows)
         features, counts = _take_pending(sessions)
@@ -260,5 +289,5 @@ def _take_pending(sessions: list[DFlashSession]) -> tuple[mx.array | None, list[
             parts.append(mx.zeros((longest - session.pending_rows, sample.shape[-1]), sample.dtype))
         rows.append(mx.concatenate(parts, axis=0))
         session.pending = []
-        session.pending_rows = session.pending_tail = 0
+        session.pending_rows = 0
     return mx.stack(rows), counts

@@ -100,6 +100,12 @@ class LookupDrafter:
         session.add(session.cached, tokens)
         session.cached += len(tokens)
 
+    def commit_step(self, features: Any,
+                    blocks: list[tuple[LookupSession, int, Sequence[int]]]) -> None:  # fmt: skip
+        """A decode step's rows: only each block's tokens are read."""
+        for session, _, tokens in blocks:
+            self.commit(session, None, tokens)
+
     def match_length(self, session: LookupSession, anchor: int) -> int:
         """Length of the longest earlier match of the suffix ending at `anchor` (0: none)."""
         session.add(session.cached, [anchor])

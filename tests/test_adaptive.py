@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
+
 from engine.sampling import SamplingParams
 from engine.stopping import StopChecker
 from scheduler.adaptive import (
@@ -20,6 +22,7 @@ from scheduler.adaptive import (
     AcceptanceModel,
     AdaptiveDepthPolicy,
     CostCurve,
+    MakespanValue,
     acceptance_group,
 )
 from scheduler.plan import RowOutcome, StepResult
@@ -747,3 +750,25 @@ def test_cost_past_the_measured_extras_follows_every_bucket_not_the_noisy_last_t
     single = CostCurve()
     single.observe(2, 0.003)
     assert single.predict(50) == 0.003
+
+
+def test_makespan_value_of_many_choices_equals_valuing_each_alone():
+    """`MakespanValue.rows` (one sort and product for all candidates) gives what the formula
+    gives per choice: F(R) - F(max(0, R - E)), F(left) = sum of m(k) x k-th largest left."""
+    rng = random.Random(5)
+    for _ in range(50):
+        rows = rng.randint(1, 12)
+        order = [f"r{i}" for i in range(rows)]
+        remaining = [float(rng.randint(1, 40)) for _ in range(rows)]
+        slopes = [rng.uniform(0.0, 2.0) for _ in range(rows)]
+        choices = [[rng.uniform(1.0, 6.0) for _ in range(rows)] for _ in range(rng.randint(1, 5))]
+
+        def later(left, slopes=slopes):
+            return sum(m * r for m, r in zip(slopes, sorted(left, reverse=True)))
+
+        value = MakespanValue(order, remaining, slopes)
+        batched = value.rows(np.array(choices))
+        for choice, got in zip(choices, batched):
+            want = later(remaining) - later([max(0.0, r - e) for r, e in zip(remaining, choice)])
+            assert math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9)
+            assert math.isclose(value(dict(zip(order, choice))), want, rel_tol=1e-9, abs_tol=1e-9)

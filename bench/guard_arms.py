@@ -73,12 +73,14 @@ async def run(args: argparse.Namespace) -> None:
         for name, eng in engines.items():
             await eng.start()
 
-            def record(result, name=name, eng=eng) -> None:
-                # The arm of the step's batch-size octave, read after the step's observe.
-                guard = eng.depth_policy_state().get("guard") or {}
-                octave = DraftingGuard.bucket(result.batch_size)
-                label = f"batch {2**octave}-{2 ** (octave + 1) - 1}"
-                steps[name].append((result, guard.get(label, {}).get("arm", "-")))
+            guard = getattr(eng.scheduler.policy, "guard", None)
+
+            def record(result, name=name, guard=guard) -> None:
+                # The arm of the step's batch-size octave, read after the step's observe
+                # (straight from the guard: building the policy's state dict every step would
+                # charge the adaptive engine's loop for it).
+                arms = guard.arms.get(DraftingGuard.bucket(result.batch_size)) if guard else None
+                steps[name].append((result, arms.arm if arms is not None else "-"))
 
             eng.step_hooks.append(record)
             if args.warmup == "full":

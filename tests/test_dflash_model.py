@@ -116,6 +116,17 @@ def test_flush_cap_writes_pending_rows_while_parked(qwen3_target_dir, drafter_di
     drafter.commit(session, feats[0, 24:27])
     assert (session.context_rows, session.pending_rows) == (24, 3)
     drafter.close(session)
+    # Decode steps (`commit_step`): a session past the cap is written at once, and the
+    # rows gathered for the others stay handed to the caller (not dropped by that write).
+    full, other = drafter.open(), drafter.open()
+    drafter.commit(full, feats[0, :8])
+    for _ in range(2):  # `full` reaches 10 at the second step
+        drafter.commit_step(feats[0, :2], [(full, 0, [1]), (other, 1, [1])])
+    assert (full.context_rows, full.pending_rows) == (10, 0)
+    assert (other.context_rows, other.pending_rows) == (0, 2)
+    handed = drafter.take_unevaluated()
+    assert any(a is other.pending[0] for a in handed)  # the other session's gathered rows
+    assert len(handed) > 1  # and the written cache, for the caller's sync
 
 
 def test_journalled_steps_are_gathered_without_a_forward_and_draft_as_if_given_at_once(

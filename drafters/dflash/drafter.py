@@ -173,8 +173,9 @@ class DFlashDrafter:
             # Computed by the caller's next sync (`take_unevaluated`) or the proposal that
             # reads them; an `async_eval` here would hold the host behind the forward in flight.
             self._gather()
-        if over:
-            self.flush(over)
+        if over:  # written now, computed with the caller's next sync too
+            self._write(over)
+            self._unevaluated += [a for c in self.cache for a in c.state]
 
     def _gather(self) -> None:
         """Move every open session's journalled rows into its pending list."""
@@ -199,16 +200,22 @@ class DFlashDrafter:
         self._unevaluated = []  # see `take_unevaluated`
         if len(self._journal):
             self._gather()
+        if self._write(sessions) and release:
+            # so the buffered features are released even if the session never drafts
+            mx.async_eval([a for c in self.cache for a in c.state])
+
+    def _write(self, sessions: list[DFlashSession]) -> bool:
+        """The context-only forward of `flush` (the journal gathered before); False when
+        none of the sessions had rows to write."""
         sessions = [s for s in sessions if s.pending_rows]
         if not sessions:
-            return
+            return False
         rows = [self.row_of(s) for s in sessions]
         cache = self._rows_view(rows)
         features, counts = _take_pending(sessions)
         self.model.append_context(features, counts, cache)
         self._write_back(rows, cache)
-        if release:  # so the buffered features are released even if the session never drafts
-            mx.async_eval([a for c in self.cache for a in c.state])
+        return True
 
     # ----------------------------------------------------------------- drafting
     def propose(

@@ -2,6 +2,7 @@
 
     python bench/plain_step.py [--target DIR] [--rows 8] [--temperature 1]
         [--workload prose] [--blocks 30] [--block 10] [--against batch-generator|held]
+        [--drafter DIR|none]
 
 Both decode the same `rows` workload prompts on the same loaded weights, one plain step per
 row at a time (no drafting, no joins), in alternating blocks of `block` steps (the order
@@ -83,7 +84,8 @@ def batch_generator_stepper(model, prompts: list[list[int]], temperature: float)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=str(bundled_paths()[0]))
-    parser.add_argument("--drafter", default=str(bundled_paths()[1]), help="with --against held")
+    parser.add_argument("--drafter", default=str(bundled_paths()[1]),
+                        help="with --against held ('none': lookup drafting alone)")  # fmt: skip
     parser.add_argument("--against", choices=["batch-generator", "held"],
                         default="batch-generator")  # fmt: skip
     parser.add_argument("--rows", type=int, default=8)
@@ -103,7 +105,7 @@ def main() -> None:
     prompts = load_prompts(pair.tokenizer, args.workload, args.rows)
     ours = runner_stepper(pair, prompts, args.temperature, args.lookahead)
     if args.against == "held":
-        drafted = load_pair(target, args.drafter)
+        drafted = load_pair(target, None if args.drafter == "none" else args.drafter)
         tune_for_backend(drafted)
         generator, theirs = None, runner_stepper(drafted, prompts, args.temperature,
                                                  args.lookahead, held=True)  # fmt: skip

@@ -18,12 +18,13 @@ speed against plain decoding:
 which is about 1 for plain decoding and is compared between the two arms on the same curve,
 so the batch size and the machine's speed cancel. Steps that prefill or join are left out
 (their cost is not the drafting's; so the joins that drafting desynchronises in a lockstep
-batch stay unseen), as are gaps in which the engine sat idle. The arm with the better
-smoothed speed wins; the other is re-measured for one epoch after 2, 4, then every
-MAX_EXPLORE_GAP epochs while it keeps losing, so a workload that changes is noticed and a
-losing arm costs at most a few percent of its loss. Where drafting wins clearly (CLEAR_WIN),
-held decoding is not measured at all: it could not catch up, and each held epoch would cost
-the drafting's whole gain for its length.
+batch stay unseen), as are gaps in which the engine sat idle. Drafting wins when its
+smoothed speed beats held decoding's by FREE_MARGIN (a tie holds: an epoch's speed moves by
+a few percent with the host alone), else held decoding; the loser is re-measured for one
+epoch after 2, 4, then every MAX_EXPLORE_GAP epochs while it keeps losing, so a workload that
+changes is noticed and a losing arm costs at most a few percent of its loss. Where drafting
+wins clearly (CLEAR_WIN), held decoding is not measured at all: it could not catch up, and
+each held epoch would cost the drafting's whole gain for its length.
 
 An octave seen for the first time above one where held decoding won starts held: a larger
 batch is more compute-bound, so drafting there only loses more, and a free first epoch would
@@ -49,6 +50,10 @@ MIN_EXPLORE_GAP, MAX_EXPLORE_GAP = 2, 8
 # Drafting this much faster than held decoding is never re-checked against it (held decoding
 # scores about 1; the lookahead it gets back is worth a few percent, not a quarter).
 CLEAR_WIN = 1.25
+# Drafting must beat held decoding by this much to be kept: the promise is "never slower",
+# so a tie holds. An epoch's speed moves by several percent with the host alone; without a
+# margin a free arm losing 3-5% won enough epochs to run most steps of a c=32 completion load.
+FREE_MARGIN = 1.03
 IDLE_FACTOR = 4.0  # a gap this many plain steps long (plus IDLE_SLACK) was idle, not work
 IDLE_SLACK = 0.05
 
@@ -68,7 +73,10 @@ class _Arms:
 
     def held_won(self) -> bool:
         """Both arms measured and held decoding the faster."""
-        return FREE in self.speed and HELD in self.speed and self.speed[HELD] > self.speed[FREE]
+        return FREE in self.speed and HELD in self.speed and not self._free_wins()
+
+    def _free_wins(self) -> bool:
+        return self.speed.get(FREE, 0.0) >= FREE_MARGIN * self.speed[HELD]
 
     def close_epoch(self) -> None:
         speed = self.work / self.seconds if self.seconds > 0 else None
@@ -87,7 +95,7 @@ class _Arms:
         if HELD not in self.speed:  # the first epoch ran free: measure plain next
             self.arm, self.exploring = HELD, True
             return
-        winner = FREE if self.speed.get(FREE, 0.0) >= self.speed[HELD] else HELD
+        winner = FREE if self._free_wins() else HELD
         if self.exploring:
             # The loser got its epoch: lost again, explore it less often; won, watch closely.
             self.gap = min(MAX_EXPLORE_GAP, 2 * self.gap) if self.arm != winner else MIN_EXPLORE_GAP

@@ -10,7 +10,15 @@ from test_engine import run_all
 from engine.sampling import SamplingParams
 from engine.stopping import StopChecker
 from scheduler.adaptive import AdaptiveDepthPolicy
-from scheduler.guard import CLEAR_WIN, EPOCH_STEPS, FREE, HELD, MAX_EXPLORE_GAP, DraftingGuard
+from scheduler.guard import (
+    CLEAR_WIN,
+    EPOCH_STEPS,
+    FREE,
+    FREE_MARGIN,
+    HELD,
+    MAX_EXPLORE_GAP,
+    DraftingGuard,
+)
 from scheduler.plan import RowOutcome, StepResult
 from scheduler.request import Request
 
@@ -68,6 +76,22 @@ def test_drafting_that_wins_narrowly_stays_on_and_plain_is_only_re_measured():
     assert seen[:3] == [FREE, HELD, FREE]  # 1.14 against 1.0
     assert guard.allows_drafting(8)
     assert sum(arm == HELD for arm in seen) <= 6  # the first, then after 4, then every 8
+
+
+@pytest.mark.parametrize("edge", [0.99, 1.01])
+def test_drafting_within_the_margin_is_held_and_beyond_it_kept(edge):
+    """Never slower: drafting that scores the same as plain decoding, or a little better
+    (within FREE_MARGIN, what an epoch's noise alone can give), is held; just beyond, kept."""
+    clock = Clock()
+    guard = DraftingGuard(clock, epoch_seconds=0.0)
+    speed = edge * FREE_MARGIN  # tokens per row in the same seconds as a plain step
+    rows = 256  # tokens are whole: enough rows to resolve a percent
+    arms = play(guard, clock, rows, free=(speed, 0.01), held=(1.0, 0.01), steps=EPOCH_STEPS * 40)
+    seen = epochs(arms)
+    assert seen[:2] == [FREE, HELD]
+    kept = FREE if edge > 1 else HELD
+    assert seen[2] == kept and guard.allows_drafting(rows) == (kept == FREE)
+    assert sum(arm == kept for arm in seen) / len(seen) > 0.7
 
 
 def test_drafting_that_wins_clearly_never_spends_an_epoch_held():

@@ -79,7 +79,7 @@ class Drafter(Protocol):
         ...
 
     def take_unevaluated(self) -> list[mx.array]:
-        """Arrays the drafter built lazily outside a proposal (merged buffers), for the
+        """Arrays the drafter built lazily outside a proposal (gathered buffers), for the
         caller to compute with its next evaluation; [] when there are none."""
         ...
 

@@ -39,11 +39,11 @@ from drafters.base import Drafter, DraftSession
 from drafters.lookup import LookupDrafter, LookupSession
 from engine import logprobs as token_logprobs
 from engine.blas_threads import blas_threads
+from engine.feature_journal import FeatureJournal
 from engine.kv_cache import RaggedKVCache
 from engine.packed import PackedLayout, PrefillSegment
 from engine.prefix_cache import PrefixEntry, PrefixSave
 from engine.sampling import RandomStream, SamplingParams, request_stream, sample, sample_rows
-from engine.slices import FeatureJournal
 from engine.target import TargetAdapter
 from scheduler.plan import Admission, PrefillChunk, RowOutcome, StepPlan, StepResult
 from scheduler.sources import DFLASH, LOOKUP
@@ -675,7 +675,7 @@ class ModelRunner:
         for layer_cache in self.cache:
             layer_cache.trim_rows(trims)
         # Features of the positions now in the cache, journalled whole, one block per row
-        # (`engine.slices`): for the rows' DFlash sessions and the prefix cache's log.
+        # (`engine.feature_journal`): for the rows' DFlash sessions and the prefix cache's log.
         logging = self.prefix_caching and self.drafter is not None and decode.features is not None
         drafter_blocks, log_blocks = [], []
         for i, request_id in enumerate(self.rows):
@@ -685,10 +685,11 @@ class ModelRunner:
             source = decode.sources[i] if decode.sources else None
             # Both sessions see every committed position, whichever source proposed it.
             cached = [state.anchor] + committed[:a]  # positions now in the target cache
+            start = decode.row_start(i)  # the row's first position in `flat_features()`
             if state.session is not None:
-                drafter_blocks.append((state.session, decode.row_start(i), cached))
+                drafter_blocks.append((state.session, start, cached))
             if logging:  # kept even for a row that does not draft with DFlash: a later hit may
-                log_blocks.append((state, decode.row_start(i), a + 1))
+                log_blocks.append((state, start, a + 1))
             state.anchor = committed[-1]
             if state.lookup is not None:
                 self.lookup.commit(state.lookup, None, cached)

@@ -138,7 +138,7 @@ def test_journalled_steps_are_gathered_without_a_forward_and_draft_as_if_given_a
     (not a view of one shared by all), handed once to the caller's next sync; a closed
     session's journalled rows are dropped; and the next proposal equals that of a session
     given the same rows in one commit."""
-    from engine.slices import MERGE_EVERY
+    from engine.feature_journal import MERGE_EVERY
 
     pair = load_pair(qwen3_target_dir, drafter_dir)
     drafter = pair.drafter

@@ -13,7 +13,7 @@ owner never keeps the other owners' rows alive.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 import mlx.core as mx
@@ -44,18 +44,26 @@ class FeatureJournal(Generic[Owner]):
                 rows[owner] = rows.get(owner, 0) + count
         return len(self._steps) >= self.every
 
-    def gather(self) -> dict[Owner, mx.array]:
-        """Every owner's journalled rows in step order, one lazy [n, F] array each; the
-        journal is emptied."""
+    def gather(self, keep: Callable[[Owner], bool] | None = None) -> dict[Owner, mx.array]:
+        """Every owner's journalled rows in step order, one lazy [n, F] array each, for the
+        owners `keep` accepts (all by default; the rest are dropped unread); the journal is
+        emptied."""
         steps, self._steps, self.rows = self._steps, [], {}
         if not steps:
             return {}
         picks: dict[Owner, list[int]] = {}
+        kept: dict[Owner, bool] = {}
         offset = 0
         for features, blocks in steps:
             for owner, start, count in blocks:
-                first = offset + start
-                picks.setdefault(owner, []).extend(range(first, first + count))
+                wanted = kept.get(owner)
+                if wanted is None:
+                    wanted = kept[owner] = keep is None or keep(owner)
+                if wanted:
+                    first = offset + start
+                    picks.setdefault(owner, []).extend(range(first, first + count))
             offset += features.shape[0]
+        if not picks:
+            return {}
         flat = steps[0][0] if len(steps) == 1 else mx.concatenate([f for f, _ in steps])
         return {owner: flat[mx.array(rows, dtype=mx.int32)] for owner, rows in picks.items()}

@@ -745,10 +745,13 @@ class ModelRunner:
     def _gather_feature_log(self) -> None:
         """Append each row's journalled decode features to its log (rows gone are dropped);
         computed with the next sync."""
-        for state, features in self._feature_journal.gather().items():
-            if self.states.get(state.request_id) is state:
-                state.feature_log.append(features)
-                self._to_eval.append(features)
+
+        def live(state: _RowState) -> bool:
+            return self.states.get(state.request_id) is state
+
+        for state, features in self._feature_journal.gather(live).items():
+            state.feature_log.append(features)
+            self._to_eval.append(features)
 
     def _save_prefix(self, save: PrefixSave, ahead: bool) -> None:
         """Copy a finished row's first `save.length` cache positions into a new entry."""

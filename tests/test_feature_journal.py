@@ -60,3 +60,21 @@ def test_owner_row_counts_and_an_empty_gather():
     assert journal.rows == {"a": 3, "b": 1}
     gathered = journal.gather()
     assert gathered["a"].tolist() == [[0, 0], [0, 0], [1, 1]] and gathered["b"].shape == (1, 2)
+
+
+def test_owners_not_kept_are_dropped_unread():
+    journal: FeatureJournal[str] = FeatureJournal(every=64)
+    journal.record(mx.arange(6).reshape(3, 2), [("a", 0, 1), ("gone", 1, 2)])
+    journal.record(mx.arange(4).reshape(2, 2), [("gone", 0, 1), ("a", 1, 1)])
+    asked: list[str] = []
+
+    def keep(owner: str) -> bool:
+        asked.append(owner)
+        return owner != "gone"
+
+    gathered = journal.gather(keep)
+    assert set(gathered) == {"a"} and gathered["a"].tolist() == [[0, 1], [2, 3]]
+    assert sorted(asked) == ["a", "gone"]  # each owner asked once
+    assert len(journal) == 0 and journal.rows == {}
+    journal.record(mx.zeros((1, 2)), [("gone", 0, 1)])
+    assert journal.gather(keep) == {}

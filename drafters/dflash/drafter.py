@@ -179,12 +179,10 @@ class DFlashDrafter:
 
     def _gather(self) -> None:
         """Move every open session's journalled rows into its pending list."""
-        gathered = self._journal.gather()
         open_sessions = set(self._sessions)
-        for session, rows in gathered.items():
-            if session in open_sessions:
-                session.pending.append(rows)
-                self._unevaluated.append(rows)
+        for session, rows in self._journal.gather(open_sessions.__contains__).items():
+            session.pending.append(rows)
+            self._unevaluated.append(rows)
 
     def take_unevaluated(self) -> list[mx.array]:
         """Pending rows gathered lazily since the last call, for the caller to compute with

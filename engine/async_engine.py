@@ -24,6 +24,7 @@ import anyio
 import msgspec
 
 from drafters.lookup import LookupDrafter
+from engine import process_tuning
 from engine.config import EngineConfig
 from engine.errors import EngineClosed, InvalidRequest
 from engine.logprobs import TokenLogprob
@@ -100,6 +101,7 @@ class AsyncEngine:
         self._stopped = False
         self.step_count = 0
         self._step_in_flight = False
+        self._froze = False  # this engine froze the heap it loaded (`process_tuning`)
         self.last_result: StepResult | None = None
         # Called on the loop thread after every step (tests check invariants, metrics record).
         self.step_hooks: list[Callable[[StepResult], None]] = []
@@ -150,6 +152,9 @@ class AsyncEngine:
             limits, self._policy, self._runner.max_depth, self._runner.source_depths, prefix,
             prefill_rides=self._runner.packed is not None,
         )  # fmt: skip
+        if self.config.process_tuning and process_tuning.wanted():
+            process_tuning.freeze_loaded()  # after everything the engine keeps is loaded
+            self._froze = True
         self._accepting = True
         self._loop_task = asyncio.create_task(self._run(), name="flashbatch-scheduler")
 
@@ -217,6 +222,9 @@ class AsyncEngine:
         if self._notifier is not None:
             self._notifier.shutdown(wait=True)
             self._notifier = None
+        if self._froze:
+            process_tuning.thaw()
+            self._froze = False
 
     @property
     def ready(self) -> bool:

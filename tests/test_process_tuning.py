@@ -1,13 +1,16 @@
 """Process tuning (engine.process_tuning): freed activations stay in the process, the GIL
-switch interval is short, and the engine applies both only when allowed."""
+switch interval is short, the collector leaves a loaded engine alone, and the engine applies
+all of it only when allowed."""
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import pytest
@@ -81,13 +84,38 @@ async def test_engine_leaves_the_process_alone_when_told(monkeypatch):
     calls = []
     monkeypatch.setattr(process_tuning, "tune_process", lambda: calls.append(1))
     target, _ = bundled_paths()
+    frozen = []
     for allowed in (False, True):
         config = EngineConfig(target=str(target), draft_sources=[], process_tuning=allowed,
                               prefix_cache_bytes=0)  # fmt: skip
         engine = AsyncEngine(config)
         await engine.start()
+        frozen.append(gc.get_freeze_count())
         await engine.shutdown()
     assert calls == [1]
+    assert frozen[0] == 0 and frozen[1] > 1000  # the loaded model's objects, when allowed
+
+
+async def test_a_started_engine_freezes_what_it_loaded_and_thaws_it_at_shutdown():
+    """While engines run, the collector's full walks skip the loaded models; once the last
+    one shuts down nothing stays frozen, so a model it dropped can be collected."""
+    assert gc.get_freeze_count() == 0
+    target, drafter = bundled_paths()
+    config = EngineConfig(target=str(target), drafter=str(drafter), prefix_cache_bytes=0)
+    first, second = AsyncEngine(config), AsyncEngine(config)
+    await first.start()
+    model = weakref.ref(first._runner.target.model)
+    after_first = gc.get_freeze_count()
+    assert after_first > 1000
+    await second.start()
+    assert gc.get_freeze_count() > after_first
+    await first.shutdown()
+    assert gc.get_freeze_count() > 0  # the second engine still runs: its objects stay out
+    await second.shutdown()
+    assert gc.get_freeze_count() == 0
+    del first
+    gc.collect()
+    assert model() is None  # nothing of the first engine was kept alive by the freeze
 
 
 def test_bench_script_compares_tuned_and_untuned_processes_end_to_end():

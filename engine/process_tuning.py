@@ -1,7 +1,7 @@
 """Process-wide settings for a process that serves: the C allocator, the GIL's switch interval
 and the garbage collector.
 
-Both are measured on the 2-core Linux machine (bundled pair; README "Process tuning"):
+All three are measured on the 2-core Linux machine (bundled pair; README "Process tuning"):
 
 - **glibc malloc keeps what MLX frees.** MLX's CPU allocator calls `malloc`/`free` directly
   (it has no buffer cache there, unlike Metal's). glibc serves a block over its mmap threshold
@@ -20,8 +20,8 @@ Both are measured on the 2-core Linux machine (bundled pair; README "Process tun
 - **The garbage collector leaves the loaded models alone.** A loaded engine holds some 80,000
   Python objects (modules, parameters, the tokenizer's tables) that live as long as it does.
   Python's full collection walks every one of them: at 32 clients on the bundled pair one ran
-  every few seconds and stopped the event loop for 44-75 ms, a token's worth of time for every
-  stream at once. Once an engine has loaded, `freeze_loaded` collects what garbage there is and
+  every 5-15 seconds and stopped the event loop for 42-75 ms, two steps' worth of time for
+  every stream at once. Once an engine has loaded, `freeze_loaded` collects what garbage there is and
   moves every object alive into the collector's permanent generation (`gc.freeze`, as SGLang
   and vLLM do after start-up), so later collections walk only what serving creates. When the
   last engine that froze shuts down the objects are handed back (`gc.unfreeze`), so a model

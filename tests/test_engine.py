@@ -608,9 +608,12 @@ async def test_each_step_after_the_first_carries_the_loops_cadence(qwen3_target_
         await run_all(engine, [("late", [7, 9, 11], 6, None, 0)])
     after_idle = next(i for i, (at, _, _) in enumerate(stamped) if at > resumed)
     assert stamped[0][1] == 0.0 and stamped[after_idle][1] == 0.0
-    later = [s for i, s in enumerate(stamped) if i not in (0, after_idle)]
-    assert later and all(cadence > 0 for _, cadence, _ in later)
-    assert all(cadence < 0.1 for _, cadence, _ in later)  # no idle gap counted
+    later = [i for i in range(len(stamped)) if i not in (0, after_idle)]
+    assert later and all(stamped[i][1] > 0 for i in later)
+    # No cadence after the idle reaches back into it: each spans two results that both
+    # arrived after `resumed` (exact, however long a host stall makes a step).
+    for at, cadence, _ in stamped[after_idle + 1 :]:
+        assert cadence <= at - resumed
 
 
 async def test_a_fault_in_handling_a_step_fails_the_requests_in_flight_not_the_engine(

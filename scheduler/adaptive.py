@@ -528,7 +528,7 @@ class AdaptiveDepthPolicy:
         self._steps += 1
         self._last_batch = max(1, len(requests))
         batch = len(requests)
-        if self._held(batch):  # before any per-row work: a held step asks nothing of rows
+        if self.holds_drafting(batch):  # before any per-row work: a held step asks nothing of rows
             self.last_sources = {}
             self.last_choice = {"width": 0, "positions": 0, "exploring": False,
                                 "reason": "measured_slower"}  # fmt: skip
@@ -755,11 +755,8 @@ class AdaptiveDepthPolicy:
             self.cost.observe(*step, seconds + max(0.0, excess))
 
     def holds_drafting(self, batch: int) -> bool:
-        """Will a batch of this size be held plain (no row drafts, no row is planned)?"""
-        return self._held(batch)
-
-    def _held(self, batch: int) -> bool:
-        """The guard holds this batch size plain (drafting measured slower there)."""
+        """The guard holds this batch size plain (drafting measured slower there): no row
+        drafts and no row is planned."""
         return self.guard is not None and not self.guard.allows_drafting(batch)
 
     def _cap(self, request: Request, max_depth: int) -> int:
@@ -967,7 +964,7 @@ class AdaptiveDepthPolicy:
         lookahead plain step when such a row gets a match). Each is judged alone at depth 1:
         the worth of its expected extra token against widening the latest batch's verify,
         a price the same for every row, so computed once."""
-        if self._held(self._last_batch):
+        if self.holds_drafting(self._last_batch):
             return set()
         batch = max(1, self._last_batch)
         plain = self.cost.predict_plain(batch)
@@ -991,7 +988,7 @@ class AdaptiveDepthPolicy:
         """Parked now: the next step parks too unless a probe falls due (or the measured
         costs, the batch or a new lookup match change the decision, which the runner then
         absorbs)."""
-        return self._held(self._last_batch) or self._due_probe() is None
+        return self.holds_drafting(self._last_batch) or self._due_probe() is None
 
     def seed(self, samples: list[tuple[int, int, float]]) -> None:
         """Seed the cost model with a warm-up profile: (batch, width, seconds) triples of

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import site
 import socket
 import subprocess
@@ -39,10 +40,17 @@ def _free_port() -> int:
 def installed(tmp_path_factory) -> Path:
     """A fresh venv holding the wheel; returns its `bin` directory."""
     work = tmp_path_factory.mktemp("wheel")
+    # Built from a copy: an in-tree build leaves `build/lib`, whose stale modules a later
+    # build would package. Only what a clean clone holds is copied.
+    source = work / "source"
+    skip = shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "results", ".*cache"
+    )
+    shutil.copytree(ROOT, source, ignore=skip)
     # No build isolation: the build backend comes from this environment (offline, fast).
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(work / "dist"), str(ROOT)],
+         "-w", str(work / "dist"), str(source)],
         check=True, cwd=work, capture_output=True,
     )  # fmt: skip
     (wheel,) = (work / "dist").glob("flashbatch-*.whl")

@@ -164,7 +164,7 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.models.gguf_header import GGUFError
     from engine.models.pull import PullError
     from engine.models.resolve import resolve_target
-    from engine.server import ServerSettings, serve
+    from engine.http.server import ServerSettings, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     target, drafter = _pair_paths(args.target, args.drafter)

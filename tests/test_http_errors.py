@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from engine.http_errors import ErrorBoundary, exception_handlers
+from engine.http.errors import ErrorBoundary, exception_handlers
 
 
 async def _boom(request: Request):

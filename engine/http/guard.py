@@ -25,8 +25,8 @@ import h11
 import msgspec
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from engine import openai_api as api
-from engine.http_errors import HTTPError
+from engine.http import openai_api as api
+from engine.http.errors import HTTPError
 
 
 class RequestReadTimeout(HTTPError):

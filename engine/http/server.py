@@ -4,11 +4,11 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /he
 GET /ready (503 while loading or draining), GET /metrics (Prometheus).
 
 Every non-2xx answer is OpenAI's nested body `{"error": {message, type, param, code}}`
-(`engine/http_errors.py`): 400 validation and context overflow, 401 bad or missing API key,
+(`engine/http/errors.py`): 400 validation and context overflow, 401 bad or missing API key,
 404 unknown model or path, 405 wrong method, 408 body too slow, 413 body too large, 429 with
 Retry-After when the engine's queue is full, 503 while loading or draining. A client disconnect
 aborts its request in the engine and is counted, not logged. Slow and surplus connections are
-bounded in `engine/http_guard.py`. SIGTERM/SIGINT: readiness turns 503 and new requests get 503
+bounded in `engine/http/guard.py`. SIGTERM/SIGINT: readiness turns 503 and new requests get 503
 while in-flight ones finish (up to the drain timeout), then the process exits with status 0; a
 second signal aborts the in-flight requests at once (each stream still ends with a final
 `finish_reason: "abort"` chunk and `[DONE]`); a third exits without waiting for connections.
@@ -34,12 +34,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import openai_api as api
+from engine.http import openai_api as api
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineClosed, InvalidRequest
-from engine.http_errors import ErrorBoundary, HTTPError, exception_handlers, json_response
-from engine.http_guard import guarded_protocol
-from engine.http_logs import install_http_log_filters
+from engine.http.errors import ErrorBoundary, HTTPError, exception_handlers, json_response
+from engine.http.guard import guarded_protocol
+from engine.http.logs import install_http_log_filters
 from metrics import HTTPMetrics
 
 log = logging.getLogger("flashbatch.server")
@@ -147,7 +147,7 @@ class FlashbatchServer:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
-        # Errors raised here become OpenAI error bodies in `engine/http_errors.py`.
+        # Errors raised here become OpenAI error bodies in `engine/http/errors.py`.
         if error := self._auth_error(request):
             raise error
         body = await self._read_body(request)

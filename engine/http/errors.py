@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine import openai_api as api
+from engine.http import openai_api as api
 from engine.errors import EngineClosed, EngineOverloaded, FlashbatchError, InvalidRequest
 
 log = logging.getLogger("flashbatch.server")

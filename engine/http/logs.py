@@ -3,7 +3,7 @@
 - The access log without query strings: clients put secrets there (`?api_key=...`), and
   nothing this server serves reads them.
 - No line per malformed HTTP request: uvicorn warns about each one, so any client could flood
-  the log; `engine/http_guard.py` counts them instead.
+  the log; `engine/http/guard.py` counts them instead.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import time
 import mlx.core as mx
 
 from engine.blas_threads import THREADS_ENV_VAR, blas_threads
-from engine.kv_cache import RaggedKVCache
+from engine.step.kv_cache import RaggedKVCache
 from engine.loading import load_target_model
 
 

@@ -71,7 +71,7 @@ async def run_flashbatch(
     flashbatch, prompts: list[list[int]], concurrency: int, max_tokens: int, temperature: float
 ) -> tuple[float, float]:
     """Aggregate tokens/s and tau of the engine, closed loop at `concurrency`."""
-    from engine.sampling import SamplingParams
+    from engine.step.sampling import SamplingParams
 
     gate = asyncio.Semaphore(concurrency)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature)
@@ -92,8 +92,8 @@ async def run_flashbatch(
 
 
 def run_oracle(pair, prompts: list[list[int]], max_tokens: int, depth: int) -> float:
-    from engine.sampling import SamplingParams
-    from engine.speculative import generate
+    from engine.step.sampling import SamplingParams
+    from engine.step.speculative import generate
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=depth)
     produced = 0

@@ -274,7 +274,7 @@ class FlashbatchEngine(BenchEngine):
         await self.engine.start()
 
     async def run(self, prompts, concurrency, params, clock) -> RunResult:
-        from engine.sampling import SamplingParams
+        from engine.step.sampling import SamplingParams
 
         sampling = SamplingParams(
             max_tokens=params.max_tokens,

@@ -9,7 +9,7 @@ drafts. Compared, min of many repeats:
 Attention runs as the engine runs it on this backend (`engine.cpu_kernels` on the CPU).
 
 - padded: one SDPA over the [B, heads, 1 + depth, T] layout with a per-row causal mask;
-- split (what `engine.packed` runs): every row's anchor in one [B, heads, 1, T] SDPA over the
+- split (what `engine.step.packed` runs): every row's anchor in one [B, heads, 1, T] SDPA over the
   cache as it lies, plus the drafted positions of the drafting rows in one
   [S, heads, depth, T] SDPA over just those rows' cache;
 - plain: the anchors alone (a step where nobody drafts), for scale.
@@ -26,7 +26,7 @@ import time
 import mlx.core as mx
 
 from engine import cpu_kernels
-from engine.packed import row_attention
+from engine.step.packed import row_attention
 
 HEADS, KV_HEADS, HEAD_DIM, CAPACITY_STEP = 6, 2, 64, 256
 

@@ -27,9 +27,9 @@ from drafters.dflash.datagen import encode
 from drafters.lookup import LookupDrafter
 from engine.backend_tuning import tune_for_backend
 from engine.loading import load_pair
-from engine.packed import PackedLayout
+from engine.step.packed import PackedLayout
 from engine.process_tuning import tune_process_if_wanted
-from engine.runner import ModelRunner
+from engine.step.runner import ModelRunner
 
 
 def main() -> None:

@@ -22,8 +22,8 @@ from engine.backend_tuning import tune_for_backend
 from engine.bundled.pair import bundled_paths
 from engine.loading import load_pair
 from engine.process_tuning import tune_process_if_wanted
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.step.runner import ModelRunner
+from engine.step.sampling import SamplingParams
 from scheduler.plan import Admission, PrefillChunk, StepPlan
 
 

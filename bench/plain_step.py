@@ -37,8 +37,8 @@ from engine.config import EngineConfig
 from engine.loading import load_pair, load_target_model
 from engine.models.resolve import resolve_target
 from engine.process_tuning import tune_process_if_wanted
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.step.runner import ModelRunner
+from engine.step.sampling import SamplingParams
 from scheduler.plan import StepPlan
 
 

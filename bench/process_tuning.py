@@ -34,7 +34,7 @@ async def _serve(args: argparse.Namespace) -> list[dict[str, float]]:
     from engine.async_engine import AsyncEngine
     from engine.bundled.pair import bundled_paths
     from engine.config import EngineConfig
-    from engine.sampling import SamplingParams
+    from engine.step.sampling import SamplingParams
 
     target, drafter = args.target, None
     if target is None:

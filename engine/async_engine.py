@@ -27,11 +27,11 @@ from drafters.lookup import LookupDrafter
 from engine import process_tuning
 from engine.config import EngineConfig
 from engine.errors import EngineClosed, InvalidRequest
-from engine.logprobs import TokenLogprob
+from engine.step.logprobs import TokenLogprob
 from engine.models.resolve import display_name
-from engine.prefix_cache import PrefixIndex
-from engine.sampling import SamplingParams
-from engine.stopping import StopChecker, eos_ids_of
+from engine.step.prefix_cache import PrefixIndex
+from engine.step.sampling import SamplingParams
+from engine.step.stopping import StopChecker, eos_ids_of
 from metrics import EngineMetrics
 from scheduler.adaptive import AdaptiveDepthPolicy
 from scheduler.depth import DepthPolicy, FixedDepthPolicy
@@ -163,7 +163,7 @@ class AsyncEngine:
         from engine.loading import load_pair
         from engine.platform import report_blas
         from engine.process_tuning import tune_process_if_wanted
-        from engine.runner import ModelRunner
+        from engine.step.runner import ModelRunner
 
         if self.config.process_tuning:
             tune_process_if_wanted()

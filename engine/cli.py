@@ -72,8 +72,8 @@ def _generate(args: argparse.Namespace) -> int:
     from engine.loading import load_pair
     from engine.models.gguf_header import GGUFError
     from engine.models.pull import PullError
-    from engine.sampling import SamplingParams
-    from engine.speculative import generate
+    from engine.step.sampling import SamplingParams
+    from engine.step.speculative import generate
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine.report_blas()

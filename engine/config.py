@@ -35,7 +35,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # ignored on Metal and CUDA, whose fused kernels are fast.
     cpu_kernels: bool = True
     # On the CPU backend, compute a matmul of M rows as M' > M rows where the BLAS measured
-    # clearly faster at M' (engine.row_padding: OpenBLAS took 22 ms for 12 rows through
+    # clearly faster at M' (engine.step.row_padding: OpenBLAS took 22 ms for 12 rows through
     # SmolLM2's head and 12 ms for 16); outputs are unchanged. Ignored on Metal and CUDA.
     row_padding: bool = True
     # Process-wide (engine.process_tuning): glibc malloc keeps freed activations instead of

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine import cpu_kernels
-from engine.packed import ATTENTION_PARTS, qkv_heads  # the structure the packed verify needs
+from engine.step.packed import ATTENTION_PARTS, qkv_heads  # the structure the packed verify needs
 
 _classes: dict[tuple[type, str], type] = {}
 

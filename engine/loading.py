@@ -13,8 +13,8 @@ from drafters.dflash.config import validate_pairing
 from drafters.dflash.drafter import DFlashDrafter
 from engine.models.gguf_dtype import converted_gguf_dtype
 from engine.platform import compute_dtype
-from engine.stopping import eos_ids_of
-from engine.target import TargetAdapter, target_shape
+from engine.step.stopping import eos_ids_of
+from engine.step.target import TargetAdapter, target_shape
 
 
 @dataclass

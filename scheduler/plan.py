@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.logprobs import TokenLogprob
-from engine.prefix_cache import PrefixSave
-from engine.sampling import SamplingParams
+from engine.step.logprobs import TokenLogprob
+from engine.step.prefix_cache import PrefixSave
+from engine.step.sampling import SamplingParams
 
 
 @dataclass

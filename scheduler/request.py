@@ -6,9 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.logprobs import TokenLogprob
-from engine.sampling import SamplingParams
-from engine.stopping import StopChecker
+from engine.step.logprobs import TokenLogprob
+from engine.step.sampling import SamplingParams
+from engine.step.stopping import StopChecker
 
 
 class RequestStatus(enum.Enum):

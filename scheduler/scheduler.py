@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.errors import EngineOverloaded, InvalidRequest
-from engine.logprobs import TokenLogprob
-from engine.prefix_cache import PrefixIndex, PrefixSave
+from engine.step.logprobs import TokenLogprob
+from engine.step.prefix_cache import PrefixIndex, PrefixSave
 from scheduler.depth import DepthPolicy
 from scheduler.plan import Admission, PrefillChunk, StepPlan, StepResult
 from scheduler.request import Request, RequestStatus

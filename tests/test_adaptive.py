@@ -12,8 +12,8 @@ import random
 
 import numpy as np
 
-from engine.sampling import SamplingParams
-from engine.stopping import StopChecker
+from engine.step.sampling import SamplingParams
+from engine.step.stopping import StopChecker
 from scheduler.adaptive import (
     PRIOR_ACCEPTANCE,
     PROBE_BUDGET,

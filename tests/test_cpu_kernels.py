@@ -10,7 +10,7 @@ from engine import RaggedKVCache, cpu_kernels
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.loading import load_pair
-from engine.sampling import SamplingParams
+from engine.step.sampling import SamplingParams
 
 
 def test_fast_exp_has_float32_precision_and_underflows_to_zero():

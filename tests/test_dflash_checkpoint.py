@@ -21,7 +21,7 @@ from drafters.dflash import (
     read_config,
 )
 from engine import TargetAdapter, load_pair
-from engine.target import UnsupportedTargetError
+from engine.step.target import UnsupportedTargetError
 
 
 def test_round_trip_keeps_layout_weights_and_outputs(drafter_dir: Path, tmp_path: Path):

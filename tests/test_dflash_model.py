@@ -138,7 +138,7 @@ def test_journalled_steps_are_gathered_without_a_forward_and_draft_as_if_given_a
     (not a view of one shared by all), handed once to the caller's next sync; a closed
     session's journalled rows are dropped; and the next proposal equals that of a session
     given the same rows in one commit."""
-    from engine.feature_journal import MERGE_EVERY
+    from engine.step.feature_journal import MERGE_EVERY
 
     pair = load_pair(qwen3_target_dir, drafter_dir)
     drafter = pair.drafter
@@ -214,7 +214,7 @@ def test_a_steps_opens_and_closes_copy_the_cache_once_each(
 ):
     """Sessions that come and go between two uses of the cache cost one filter and one
     append in all, and every survivor keeps its own context rows."""
-    from engine.kv_cache import RaggedKVCache
+    from engine.step.kv_cache import RaggedKVCache
 
     pair = load_pair(qwen3_target_dir, drafter_dir)
     drafter, target = pair.drafter, pair.target

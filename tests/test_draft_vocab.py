@@ -20,9 +20,9 @@ from drafters.dflash import train
 from drafters.dflash.checkpoint import load_dflash_model, load_drafter, save_dflash_model
 from drafters.dflash.vocab import DraftHead, choose_draft_vocab, read_draft_vocab, to_d2t
 from engine.loading import load_pair, load_target_model
-from engine.sampling import SamplingParams
-from engine.speculative import generate
-from engine.target import TargetAdapter
+from engine.step.sampling import SamplingParams
+from engine.step.speculative import generate
+from engine.step.target import TargetAdapter
 
 LAYER_IDS = [1, 4]
 

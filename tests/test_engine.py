@@ -25,7 +25,7 @@ from engine import (
     TargetAdapter,
 )
 from engine.loading import load_target_model
-from engine.runner import ModelRunner
+from engine.step.runner import ModelRunner
 from scheduler.depth import FixedDepthPolicy
 
 

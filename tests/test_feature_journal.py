@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.feature_journal import FeatureJournal
+from engine.step.feature_journal import FeatureJournal
 
 # A step: its row count and, per owner (0-3), the (start, count) of its block, if any.
 steps = st.lists(

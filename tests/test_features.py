@@ -16,7 +16,7 @@ from drafters.dflash import features as feature_store
 from drafters.dflash import train
 from drafters.dflash.features import FeatureStore, length_batches
 from engine.loading import load_target_model
-from engine.target import TargetAdapter
+from engine.step.target import TargetAdapter
 
 LAYER_IDS = [1, 4]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from test_engine import run_all
 
-from engine.sampling import SamplingParams
-from engine.stopping import StopChecker
+from engine.step.sampling import SamplingParams
+from engine.step.stopping import StopChecker
 from scheduler.adaptive import AdaptiveDepthPolicy
 from scheduler.guard import (
     CLEAR_WIN,

@@ -22,7 +22,7 @@ from test_engine import (
 from engine import AsyncEngine, EngineConfig, SamplingParams, load_pair
 from engine.bundled.pair import bundled_paths
 from engine.bundled.workloads import load_workloads
-from engine.kv_cache import RaggedKVCache
+from engine.step.kv_cache import RaggedKVCache
 from engine.loading import load_target_model
 from scheduler.sources import DFLASH, LOOKUP, DraftOptions
 
@@ -358,7 +358,7 @@ class MirrorEngine(AsyncEngine):
     def _load(self):
         from drafters.lookup import LookupDrafter
         from engine import TargetAdapter
-        from engine.runner import ModelRunner
+        from engine.step.runner import ModelRunner
 
         model, tokenizer = load_target_model(self.config.target)
         runner = ModelRunner(TargetAdapter(model, [1]), LookupDrafter(2, 4, 7),

@@ -16,11 +16,11 @@ import mlx.core as mx
 import pytest
 from factories import target_config
 
-import engine.packed as packed
+import engine.step.packed as packed
 from engine import RaggedKVCache, TargetAdapter
 from engine.bundled.pair import bundled_paths
 from engine.loading import load_target_model
-from engine.packed import PackedLayout, PackedVerifier, make_packed_verifier
+from engine.step.packed import PackedLayout, PackedVerifier, make_packed_verifier
 
 TOLERANCE = 1e-4  # float32: the packed and padded forwards sum in different orders
 VOCAB = 300
@@ -202,7 +202,7 @@ def test_other_models_fall_back_to_the_padded_forward_with_a_reason(caplog):
     config = target_config("gemma", VOCAB, layers=2)
     model = gemma.Model(gemma.ModelArgs.from_dict(config))
     target = TargetAdapter(model, [1])
-    with caplog.at_level(logging.INFO, logger="engine.packed"):
+    with caplog.at_level(logging.INFO, logger="engine.step.packed"):
         assert make_packed_verifier(target) is None
     assert "padded forward" in caplog.text and "mlx_lm.models.gemma" in caplog.text
     # A supported family with a sliding-window layer falls back too.

@@ -16,7 +16,7 @@ from mlx_lm.generate import generate_step
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.bundled.pair import bundled_paths
 from engine.bundled.workloads import load_workloads
-from engine.prefix_cache import PrefixIndex, common_prefix
+from engine.step.prefix_cache import PrefixIndex, common_prefix
 
 TARGET, DRAFTER = bundled_paths()
 bundled = pytest.mark.skipif(

@@ -29,7 +29,8 @@ _FAULTS_SCRIPT = textwrap.dedent(
     import resource, sys
     import engine  # noqa: F401  (the BLAS preload comes before mlx)
     import mlx.core as mx
-    from engine import cpu_kernels, process_tuning, row_padding
+    from engine import cpu_kernels, process_tuning
+    from engine.step import row_padding
     if sys.argv[1] == "tuned":
         process_tuning.tune_process()
     row_padding.measure(384)

@@ -1,18 +1,18 @@
-"""Matmul row padding (engine.row_padding): chosen from timings, invisible in every output."""
+"""Matmul row padding (engine.step.row_padding): chosen from timings, invisible in every output."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
 
-from engine import row_padding
+from engine.step import row_padding
 from engine.async_engine import AsyncEngine
 from engine.bundled.pair import bundled_paths
 from engine.config import EngineConfig
-from engine.kv_cache import RaggedKVCache
+from engine.step.kv_cache import RaggedKVCache
 from engine.loading import load_pair, load_target_model
-from engine.packed import PackedLayout
-from engine.row_padding import RowPadding
+from engine.step.packed import PackedLayout
+from engine.step.row_padding import RowPadding
 from tests.test_engine import plain_greedy, random_requests, run_all
 
 # Pads every count it can: 1..15 rows are computed as 16, 17..31 as 32.

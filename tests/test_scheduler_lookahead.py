@@ -3,8 +3,8 @@ step rides in that step's forward instead (`Scheduler.prefill_rides`)."""
 
 from __future__ import annotations
 
-from engine.sampling import SamplingParams
-from engine.stopping import StopChecker
+from engine.step.sampling import SamplingParams
+from engine.step.stopping import StopChecker
 from scheduler.depth import FixedDepthPolicy
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler, SchedulerLimits

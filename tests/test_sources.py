@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine.sampling import SamplingParams
-from engine.stopping import StopChecker
+from engine.step.sampling import SamplingParams
+from engine.step.stopping import StopChecker
 from scheduler.adaptive import AdaptiveDepthPolicy
 from scheduler.depth import FixedDepthPolicy
 from scheduler.plan import RowOutcome, StepResult

@@ -8,7 +8,7 @@ from factories import ScriptedDrafter
 from mlx_lm.generate import generate_step
 
 from engine import SamplingParams, TargetAdapter, generate, load_pair
-from engine.speculative import StepState
+from engine.step.speculative import StepState
 
 PROMPTS = [
     "def add(a, b):\n    return",

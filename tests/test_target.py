@@ -82,8 +82,8 @@ def test_a_prompt_chunk_runs_the_head_on_one_position_per_row(qwen3_target_dir):
     """Prefill (one chunk, short prompts together, and chunks riding in a decoding step's
     packed forward) unembeds one position per prompt, not every prompt token, unless the
     request asks for prompt logprobs."""
-    from engine.runner import ModelRunner
-    from engine.sampling import SamplingParams
+    from engine.step.runner import ModelRunner
+    from engine.step.sampling import SamplingParams
     from scheduler.plan import Admission, PrefillChunk, StepPlan
 
     model, _ = load_target_model(qwen3_target_dir)

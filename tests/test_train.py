@@ -21,7 +21,7 @@ from drafters.dflash.checkpoint import load_dflash_model, save_dflash_model
 from drafters.dflash.drafter import DFlashDrafter
 from drafters.dflash.model import DFlashDraftModel
 from engine.loading import load_target_model
-from engine.target import TargetAdapter
+from engine.step.target import TargetAdapter
 
 PROMPTS = ["def add(a, b):\n    return", "import os\n", "class Config:\n"]
 LAYER_IDS = [1, 4]

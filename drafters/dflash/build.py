@@ -126,7 +126,7 @@ def stage_fit(work: Path, target: str, args: argparse.Namespace) -> dict[str, An
     )
     from engine.loading import load_target_model
     from engine.models.resolve import resolve_target
-    from engine.target import TargetAdapter
+    from engine.step.target import TargetAdapter
 
     take_in_corpus(work, target)  # a fresh machine fits on what earlier machines generated
     out = work / "drafter"
@@ -178,8 +178,8 @@ def stage_eval(
     from drafters.dflash.datagen import encode
     from drafters.dflash.prompt_mix import build_prompts
     from engine.loading import load_pair
-    from engine.sampling import SamplingParams
-    from engine.speculative import generate
+    from engine.step.sampling import SamplingParams
+    from engine.step.speculative import generate
 
     pair = load_pair(target, drafter)
     head = pair.drafter.head

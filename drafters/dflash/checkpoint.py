@@ -21,7 +21,7 @@ from drafters.dflash.vocab import D2T_KEY, read_draft_vocab, to_d2t
 
 if TYPE_CHECKING:
     from drafters.dflash.drafter import DFlashDrafter
-    from engine.target import TargetAdapter
+    from engine.step.target import TargetAdapter
 
 # Tensors some third-party variants ship that this drafter does not use.
 _IGNORED_PREFIXES = ("embed_tokens.", "lm_head.", "mask_embedding", "d2t", "t2d")

@@ -48,7 +48,7 @@ async def generate_mix(
     """Append the target's continuation of every prompt not yet in `out_path`; return how many."""
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
-    from engine.sampling import SamplingParams
+    from engine.step.sampling import SamplingParams
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)

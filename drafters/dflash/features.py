@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.target import TargetAdapter
+from engine.step.target import TargetAdapter
 
 log = logging.getLogger(__name__)
 

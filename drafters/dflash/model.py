@@ -18,7 +18,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from drafters.dflash.config import DFlashConfig
 from engine import cpu_kernels
-from engine.kv_cache import RaggedKVCache
+from engine.step.kv_cache import RaggedKVCache
 
 
 class DFlashAttention(nn.Module):

@@ -49,7 +49,7 @@ from drafters.dflash.config import DFlashConfig, default_target_layer_ids
 from drafters.dflash.features import FeatureStore
 from drafters.dflash.model import DFlashAttention, DFlashDraftModel
 from drafters.dflash.vocab import DraftHead, choose_draft_vocab, read_draft_vocab
-from engine.target import TargetAdapter
+from engine.step.target import TargetAdapter
 
 log = logging.getLogger(__name__)
 
@@ -406,8 +406,8 @@ def generate_data(
     Prompts already in the file are skipped, so an interrupted run just continues. Returns the
     number of records written by this call.
     """
-    from engine.sampling import SamplingParams
-    from engine.speculative import generate
+    from engine.step.sampling import SamplingParams
+    from engine.step.speculative import generate
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -698,8 +698,8 @@ def evaluate_tau(
     model it is given, which training weights must not carry).
     """
     from engine.loading import load_pair
-    from engine.sampling import SamplingParams
-    from engine.speculative import generate
+    from engine.step.sampling import SamplingParams
+    from engine.step.speculative import generate
 
     pair = load_pair(target_dir, drafter_dir)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)

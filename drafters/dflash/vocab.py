@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 if TYPE_CHECKING:
-    from engine.target import TargetAdapter
+    from engine.step.target import TargetAdapter
 
 D2T_KEY = "d2t"
 

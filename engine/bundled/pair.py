@@ -98,7 +98,7 @@ def workload_data_prompts(work: Path, count: int, seed: int = 1) -> list[str]:
 async def _generate_records(target_dir: Path, prompts: list[str], max_tokens: int, out, log):
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
-    from engine.sampling import SamplingParams
+    from engine.step.sampling import SamplingParams
 
     config = EngineConfig(target=str(target_dir), max_num_seqs=32, max_waiting_requests=10**6)
     started, produced = time.perf_counter(), 0
@@ -164,7 +164,7 @@ def train_bundled_drafter(
 ):
     from drafters.dflash.train import TrainConfig, drafter_config_for_target, load_sequences, train
     from engine.loading import load_target_model
-    from engine.target import TargetAdapter
+    from engine.step.target import TargetAdapter
 
     out_dir = work / "drafter"
     config = TrainConfig(
@@ -218,8 +218,8 @@ def evaluate_pair(
     from mlx_lm import stream_generate
 
     from engine.loading import load_pair
-    from engine.sampling import SamplingParams
-    from engine.speculative import generate
+    from engine.step.sampling import SamplingParams
+    from engine.step.speculative import generate
 
     pair = load_pair(target_dir, drafter_dir)
     tokenizer = pair.tokenizer

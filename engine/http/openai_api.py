@@ -21,8 +21,8 @@ from typing import Any
 import msgspec
 
 from engine.errors import InvalidRequest
-from engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
-from engine.sampling import SamplingParams
+from engine.step.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from engine.step.sampling import SamplingParams
 from scheduler.sources import parse_sources
 
 

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from drafters.base import TargetShape
-from engine.packed import SUPPORTED_MODULES  # the families whose logits are the head's alone
+from engine.step.packed import SUPPORTED_MODULES  # the families whose logits are the head's alone
 
 
 class UnsupportedTargetError(ValueError):
@@ -238,10 +238,10 @@ class TargetAdapter:
     cpu_kernels = False  # set by `use_cpu_kernels`
 
     def packed_verifier(self) -> Any:
-        """The packed verify forward of this target (`engine.packed`), built once; None
+        """The packed verify forward of this target (`engine.step.packed`), built once; None
         (with the reason logged) for models it does not cover: they verify padded."""
         if not hasattr(self, "_packed"):
-            from engine.packed import make_packed_verifier
+            from engine.step.packed import make_packed_verifier
 
             self._packed = make_packed_verifier(self)
         return self._packed

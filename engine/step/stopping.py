@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.sampling import SamplingParams
+from engine.step.sampling import SamplingParams
 
 
 def eos_ids_of(tokenizer: Any | None) -> set[int]:

@@ -23,9 +23,9 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from drafters.base import Drafter, DraftSession
 from engine.errors import InvalidRequest
-from engine.sampling import SamplingParams, request_stream, sample
-from engine.stopping import StopChecker, eos_ids_of
-from engine.target import TargetAdapter
+from engine.step.sampling import SamplingParams, request_stream, sample
+from engine.step.stopping import StopChecker, eos_ids_of
+from engine.step.target import TargetAdapter
 
 
 @dataclass

@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine import cpu_kernels
-from engine.kv_cache import RaggedKVCache
+from engine.step.kv_cache import RaggedKVCache
 
 log = logging.getLogger(__name__)
 

@@ -5,11 +5,11 @@ Everything MLX lives here and is touched only from the engine's single MLX threa
 1. rows of finished/aborted requests leave the batch (`remove_rows`: the last rows move into
    their places, one row copied per hole);
 2. prefill chunks of new requests run, each request in its own small cache: inside the
-   decoding rows' packed forward of step 3 where they can (`engine.packed.PrefillSegment`),
+   decoding rows' packed forward of step 3 where they can (`engine.step.packed.PrefillSegment`),
    else in forwards of their own first;
 3. decode: one batched drafter forward for the rows with depth > 0, one batched target forward
    over ``[anchor, drafts...]`` of every row (packed: each row only its own ``1 + depth``
-   positions, see `engine.packed`; padded to the widest for other architectures),
+   positions, see `engine.step.packed`; padded to the widest for other architectures),
    every row sampled with its own sampler, the longest prefix where draft == sample accepted;
 4. **one** host sync; then per-row rollback of the rejected positions (O(1), lengths only),
    committed features to the drafter sessions, and finished prefills join the batch;
@@ -37,14 +37,14 @@ import mlx.core as mx
 
 from drafters.base import Drafter, DraftSession
 from drafters.lookup import LookupDrafter, LookupSession
-from engine import logprobs as token_logprobs
+from engine.step import logprobs as token_logprobs
 from engine.blas_threads import blas_threads
-from engine.feature_journal import FeatureJournal
-from engine.kv_cache import RaggedKVCache
-from engine.packed import PackedLayout, PrefillSegment
-from engine.prefix_cache import PrefixEntry, PrefixSave
-from engine.sampling import RandomStream, SamplingParams, request_stream, sample, sample_rows
-from engine.target import TargetAdapter
+from engine.step.feature_journal import FeatureJournal
+from engine.step.kv_cache import RaggedKVCache
+from engine.step.packed import PackedLayout, PrefillSegment
+from engine.step.prefix_cache import PrefixEntry, PrefixSave
+from engine.step.sampling import RandomStream, SamplingParams, request_stream, sample, sample_rows
+from engine.step.target import TargetAdapter
 from scheduler.plan import Admission, PrefillChunk, RowOutcome, StepPlan, StepResult
 from scheduler.sources import DFLASH, LOOKUP
 
@@ -675,7 +675,7 @@ class ModelRunner:
         for layer_cache in self.cache:
             layer_cache.trim_rows(trims)
         # Features of the positions now in the cache, journalled whole, one block per row
-        # (`engine.feature_journal`): for the rows' DFlash sessions and the prefix cache's log.
+        # (`engine.step.feature_journal`): for the rows' DFlash sessions and the prefix cache's log.
         logging = self.prefix_caching and self.drafter is not None and decode.features is not None
         drafter_blocks, log_blocks = [], []
         for i, request_id in enumerate(self.rows):

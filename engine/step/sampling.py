@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.cpu_kernels import fast_exp
 from engine.errors import InvalidRequest
-from engine.logprobs import MAX_TOP_LOGPROBS
+from engine.step.logprobs import MAX_TOP_LOGPROBS
 from scheduler.sources import ALL_SOURCES
 
 

@@ -13,7 +13,7 @@ produce the same tokens).
 - `FlashbatchEngine`: an `AsyncEngine`; its `EngineConfig.num_speculative_tokens` picks drafting
   off (0), a fixed depth, or the adaptive controller (None).
 - The mlx-lm engines run with OpenBLAS's own thread count, as their users get it; flashbatch
-  sets it per forward (`engine/blas_threads.py`).
+  sets it per forward (`engine/backend/blas_threads.py`).
 - `UnavailableEngine`: stands in for an engine that cannot run (say, no AR draft model) so the
   report shows it as not available, with the reason.
 """
@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 
 from bench.stats import RequestRecord, RunResult
-from engine.blas_threads import restore_default_threads
+from engine.backend.blas_threads import restore_default_threads
 
 Clock = Callable[[], float]
 

@@ -6,7 +6,7 @@ One layer's attention (the bundled target's heads: 6 query, 2 KV, head size 64) 
 decoding rows whose KV caches hold `context` tokens, `drafting` of them verifying `depth`
 drafts. Compared, min of many repeats:
 
-Attention runs as the engine runs it on this backend (`engine.cpu_kernels` on the CPU).
+Attention runs as the engine runs it on this backend (`engine.backend.cpu_kernels` on the CPU).
 
 - padded: one SDPA over the [B, heads, 1 + depth, T] layout with a per-row causal mask;
 - split (what `engine.step.packed` runs): every row's anchor in one [B, heads, 1, T] SDPA over the
@@ -25,7 +25,7 @@ import time
 
 import mlx.core as mx
 
-from engine import cpu_kernels
+from engine.backend import cpu_kernels
 from engine.step.packed import row_attention
 
 HEADS, KV_HEADS, HEAD_DIM, CAPACITY_STEP = 6, 2, 64, 256

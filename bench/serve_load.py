@@ -427,7 +427,7 @@ def mlx_lm_model_dir(target: str, work: Path) -> tuple[str, str]:
     import engine  # noqa: F401  (fast BLAS before mlx)
     from engine.loading import load_target_model
     from engine.models.resolve import resolve_target
-    from engine.platform import compute_dtype
+    from engine.backend.platform import compute_dtype
 
     target = str(resolve_target(target))  # a .gguf file or a model name: its mlx-lm directory
     if compute_dtype() is None or stored_dtypes(Path(target)) <= {"F32"}:
@@ -449,7 +449,7 @@ def mlx_lm_model_dir(target: str, work: Path) -> tuple[str, str]:
 def blas_env() -> tuple[dict[str, str], str]:
     """LD_PRELOAD of the OpenBLAS flashbatch preloads, so mlx_lm.server gets the same BLAS."""
     import engine  # noqa: F401
-    from engine.platform import blas_status
+    from engine.backend.platform import blas_status
 
     status = blas_status()
     if status.name != "openblas" or not status.path:

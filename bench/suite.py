@@ -302,8 +302,8 @@ def _clean(value: Any) -> Any:
 def _environment() -> dict[str, Any]:
     import mlx.core as mx
 
-    from engine import process_tuning
-    from engine.platform import blas_status, compute_dtype
+    from engine.backend import process_tuning
+    from engine.backend.platform import blas_status, compute_dtype
 
     try:
         from importlib.metadata import version
@@ -360,7 +360,7 @@ async def run_suite(
     """Run the suite; return the results (also written to `cfg.out_dir` when set)."""
     import mlx.core as mx
 
-    from engine import process_tuning
+    from engine.backend import process_tuning
 
     started_at = _dt.datetime.now().isoformat(timespec="seconds")
     process_tuning.tune_process_if_wanted()  # every engine, mlx-lm's too, runs under them

@@ -1,6 +1,6 @@
 """flashbatch's public API.
 
-Importing this package first preloads an optimized BLAS on Linux (see `engine.platform`), so
+Importing this package first preloads an optimized BLAS on Linux (see `engine.backend.platform`), so
 import `engine` (or `drafters`) before `mlx`. The names below load lazily:
 
 - `AsyncEngine(EngineConfig(...))` — the continuous-batching engine: `async with` it, then
@@ -21,7 +21,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from engine import platform as _platform  # noqa: F401  (must run before mlx is imported)
+from engine.backend import platform as _platform  # noqa: F401  (must run before mlx is imported)
 
 _EXPORTS = {
     "AsyncEngine": "engine.async_engine",
@@ -40,8 +40,8 @@ _EXPORTS = {
     "InvalidRequest": "engine.errors",
     "EngineOverloaded": "engine.errors",
     "EngineClosed": "engine.errors",
-    "blas_status": "engine.platform",
-    "report_blas": "engine.platform",
+    "blas_status": "engine.backend.platform",
+    "report_blas": "engine.backend.platform",
 }
 
 __all__ = sorted(_EXPORTS)

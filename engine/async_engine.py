@@ -24,7 +24,7 @@ import anyio
 import msgspec
 
 from drafters.lookup import LookupDrafter
-from engine import process_tuning
+from engine.backend import process_tuning
 from engine.config import EngineConfig
 from engine.errors import EngineClosed, InvalidRequest
 from engine.step.logprobs import TokenLogprob
@@ -159,10 +159,10 @@ class AsyncEngine:
         self._loop_task = asyncio.create_task(self._run(), name="flashbatch-scheduler")
 
     def _load(self) -> tuple[Any, Any]:
-        from engine.backend_tuning import tune_for_backend
+        from engine.backend.tuning import tune_for_backend
         from engine.loading import load_pair
-        from engine.platform import report_blas
-        from engine.process_tuning import tune_process_if_wanted
+        from engine.backend.platform import report_blas
+        from engine.backend.process_tuning import tune_process_if_wanted
         from engine.step.runner import ModelRunner
 
         if self.config.process_tuning:

@@ -16,7 +16,7 @@ from engine.models.registry import DEFAULT_MODEL
 def _info(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
-    from engine.platform import report_blas
+    from engine.backend.platform import report_blas
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     status = report_blas()

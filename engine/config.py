@@ -31,14 +31,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Verify rows packed (each row pays for its own 1 + depth positions) where the target's
     # architecture allows (mlx-lm llama, qwen2, qwen3); False: the padded verify everywhere.
     packed_verify: bool = True
-    # On the CPU backend, attention and SwiGLU on a vectorised exp (engine.cpu_kernels);
+    # On the CPU backend, attention and SwiGLU on a vectorised exp (engine.backend.cpu_kernels);
     # ignored on Metal and CUDA, whose fused kernels are fast.
     cpu_kernels: bool = True
     # On the CPU backend, compute a matmul of M rows as M' > M rows where the BLAS measured
     # clearly faster at M' (engine.step.row_padding: OpenBLAS took 22 ms for 12 rows through
     # SmolLM2's head and 12 ms for 16); outputs are unchanged. Ignored on Metal and CUDA.
     row_padding: bool = True
-    # Process-wide (engine.process_tuning): glibc malloc keeps freed activations instead of
+    # Process-wide (engine.backend.process_tuning): glibc malloc keeps freed activations instead of
     # faulting fresh pages every step, and the GIL changes hands within 0.5 ms. Applied once
     # per process at start; False (or FLASHBATCH_PROCESS_TUNING=0) leaves the process alone.
     process_tuning: bool = True

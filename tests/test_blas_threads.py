@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from engine import blas_threads as bt
-from engine.blas_threads import SMALL_FORWARD, BlasThreads
+from engine.backend import blas_threads as bt
+from engine.backend.blas_threads import SMALL_FORWARD, BlasThreads
 
 
 class RecordingSetter:
@@ -45,7 +45,7 @@ def test_the_setting_is_read_as_a_count_or_default(monkeypatch):
 
 def _in_fresh_process(code: str, env: dict[str, str]) -> str:
     run_env = {**os.environ, **env}
-    script = "import engine\nfrom engine.blas_threads import blas_threads\n" + code
+    script = "import engine\nfrom engine.backend.blas_threads import blas_threads\n" + code
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env=run_env, check=True)  # fmt: skip
     return out.stdout.strip()

@@ -1,4 +1,4 @@
-"""The CPU kernels (engine.cpu_kernels, engine.cpu_layers) equal MLX's own to float32 rounding."""
+"""The CPU kernels (engine.backend.cpu_kernels, engine.backend.cpu_layers) equal MLX's own to float32 rounding."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from engine import RaggedKVCache, cpu_kernels
+from engine import RaggedKVCache
+from engine.backend import cpu_kernels
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.loading import load_pair

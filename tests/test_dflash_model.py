@@ -246,7 +246,7 @@ def test_a_steps_opens_and_closes_copy_the_cache_once_each(
 
 
 def test_cpu_kernels_give_the_same_block_outputs(drafter_dir):
-    """The drafter on `engine.cpu_kernels` (the engine's choice on the CPU backend) equals
+    """The drafter on `engine.backend.cpu_kernels` (the engine's choice on the CPU backend) equals
     MLX's attention and SwiGLU for ragged rows over two steps."""
     mx.random.seed(2)
     contexts = [

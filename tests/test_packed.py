@@ -41,7 +41,7 @@ def _tiny_model(model_type: str, seed: int, tied: bool = False):
     params=["llama", "qwen2", "qwen3", "qwen3-tied", "bundled", "llama-cpu", "bundled-cpu"],
 )
 def target(request) -> TargetAdapter:
-    """A target per family; "-cpu": on the CPU kernels (engine.cpu_kernels), which the
+    """A target per family; "-cpu": on the CPU kernels (engine.backend.cpu_kernels), which the
     packed attention then uses too."""
     if request.param.startswith("bundled"):
         model, _ = load_target_model(bundled_paths()[0])

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine.platform import blas_status
+from engine.backend.platform import blas_status
 
 OPENBLAS_PATHS = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",

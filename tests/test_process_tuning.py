@@ -1,4 +1,4 @@
-"""Process tuning (engine.process_tuning): freed activations stay in the process, the GIL
+"""Process tuning (engine.backend.process_tuning): freed activations stay in the process, the GIL
 switch interval is short, the collector leaves a loaded engine alone, and the engine applies
 all of it only when allowed."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import process_tuning
+from engine.backend import process_tuning
 from engine.async_engine import AsyncEngine
 from engine.bundled.pair import bundled_paths
 from engine.config import EngineConfig
@@ -29,7 +29,8 @@ _FAULTS_SCRIPT = textwrap.dedent(
     import resource, sys
     import engine  # noqa: F401  (the BLAS preload comes before mlx)
     import mlx.core as mx
-    from engine import cpu_kernels, process_tuning
+    from engine.backend import cpu_kernels
+    from engine.backend import process_tuning
     from engine.step import row_padding
     if sys.argv[1] == "tuned":
         process_tuning.tune_process()

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from drafters.dflash.config import DFlashConfig
-from engine import cpu_kernels
+from engine.backend import cpu_kernels
 from engine.step.kv_cache import RaggedKVCache
 
 
@@ -126,7 +126,7 @@ class DFlashDraftModel(nn.Module):
         return [RaggedKVCache(batch_size) for _ in self.layers]
 
     def use_cpu_kernels(self) -> None:
-        """Attention and SwiGLU on `engine.cpu_kernels` (inference on the CPU backend; training
+        """Attention and SwiGLU on `engine.backend.cpu_kernels` (inference on the CPU backend; training
         keeps MLX's, which it differentiates)."""
         for layer in self.layers:
             layer.self_attn.cpu_kernels = layer.mlp.cpu_kernels = True

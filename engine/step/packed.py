@@ -35,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import cpu_kernels
+from engine.backend import cpu_kernels
 from engine.step.kv_cache import RaggedKVCache
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ def row_attention(
     cpu: bool = False,
 ) -> mx.array:  # fmt: skip
     """Attention of each row's queries [R, h, W, D] over its own cache rows [R, kv, T, D]
-    (`cpu`: on `engine.cpu_kernels`); `mask` is a bool array or "causal"."""
+    (`cpu`: on `engine.backend.cpu_kernels`); `mask` is a bool array or "causal"."""
     if cpu:
         return cpu_kernels.attention(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
@@ -242,7 +242,7 @@ def qkv_heads(attn: nn.Module, x: mx.array, B: int, L: int) -> tuple[mx.array, m
     """A llama/qwen attention's queries, keys and values of x (B x L positions) as
     [B, heads, L, D], per-head normed where the model has q/k norms (qwen3), before RoPE.
     Shared by the packed forward (x [1, N, H] read as N rows of one position each) and the
-    CPU-kernel layers (`engine.cpu_layers`, x [B, L, H])."""
+    CPU-kernel layers (`engine.backend.cpu_layers`, x [B, L, H])."""
     queries = attn.q_proj(x).reshape(B, L, attn.n_heads, -1)
     keys = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1)
     values = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1)

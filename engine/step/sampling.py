@@ -17,7 +17,7 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 
-from engine.cpu_kernels import fast_exp
+from engine.backend.cpu_kernels import fast_exp
 from engine.errors import InvalidRequest
 from engine.step.logprobs import MAX_TOP_LOGPROBS
 from scheduler.sources import ALL_SOURCES

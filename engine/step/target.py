@@ -223,9 +223,9 @@ class TargetAdapter:
         return head.weight[token_ids]
 
     def use_cpu_kernels(self) -> str | None:
-        """Run this model's attention and SwiGLU on the CPU kernels (`engine.cpu_layers`).
+        """Run this model's attention and SwiGLU on the CPU kernels (`engine.backend.cpu_layers`).
         Returns why not (None when they are on): only the llama, qwen2 and qwen3 families."""
-        from engine import cpu_layers
+        from engine.backend import cpu_layers
 
         if type(self.model).__module__ not in SUPPORTED_MODULES:
             return f"model module {type(self.model).__module__!r} is not llama, qwen2 or qwen3"

@@ -1,6 +1,6 @@
 """What the engine does to a freshly loaded pair for the backend it runs on, in one place.
 
-On the CPU backend the engine runs attention and SwiGLU on `engine.cpu_kernels` (MLX's own
+On the CPU backend the engine runs attention and SwiGLU on `engine.backend.cpu_kernels` (MLX's own
 evaluate `exp` through libm) and pads matmul rows where OpenBLAS is faster with more
 (`engine.step.row_padding`). The step benchmarks call this too, so they time what the engine runs:
 a benchmark without the kernels once timed a bundled 32-row plain step at 51 ms, 36 of them in
@@ -18,7 +18,7 @@ log = logging.getLogger("flashbatch.engine")
 def tune_for_backend(pair: Any, cpu_kernels: bool = True, row_padding: bool = True) -> None:
     """Install the CPU kernels and the row padding on `pair` (a `LoadedPair`) where the
     backend wants them (each is a no-op on Metal and CUDA) and the flags allow."""
-    from engine import cpu_kernels as kernels
+    from engine.backend import cpu_kernels as kernels
     from engine.step import row_padding as padding
 
     if cpu_kernels and kernels.wanted():

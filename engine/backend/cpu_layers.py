@@ -1,4 +1,4 @@
-"""The CPU kernels (`engine.cpu_kernels`) inside the mlx-lm llama, qwen2 and qwen3 decoders.
+"""The CPU kernels (`engine.backend.cpu_kernels`) inside the mlx-lm llama, qwen2 and qwen3 decoders.
 
 Each layer's attention and MLP get a subclass of their own class whose ``__call__`` is the
 stock one with `cpu_kernels.attention` for `mx.fast.scaled_dot_product_attention` and
@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import cpu_kernels
+from engine.backend import cpu_kernels
 from engine.step.packed import ATTENTION_PARTS, qkv_heads  # the structure the packed verify needs
 
 _classes: dict[tuple[type, str], type] = {}

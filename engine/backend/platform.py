@@ -175,7 +175,7 @@ def report_blas(logger: logging.Logger | None = None) -> BlasStatus:
             status.detail,
         )
     if status.name == "openblas" and not uses_gpu():
-        from engine.blas_threads import blas_threads
+        from engine.backend.blas_threads import blas_threads
 
         control = blas_threads()
         if control is not None:

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from engine.backend.blas_threads import THREADS_ENV_VAR, blas_threads
 from engine.step.kv_cache import RaggedKVCache
-from engine.loading import load_target_model
+from engine.models.loading import load_target_model
 
 
 def main() -> None:

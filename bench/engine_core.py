@@ -116,7 +116,7 @@ def _policy_config(args: argparse.Namespace, policy: str, max_concurrency: int):
 
 async def main_async(args: argparse.Namespace) -> str:
     from engine.async_engine import AsyncEngine
-    from engine.loading import load_pair
+    from engine.models.loading import load_pair
 
     pair = load_pair(args.target, args.drafter)  # for mlx-lm and the reference loop
     prompts = load_prompts(pair.tokenizer, args.workload, args.requests)

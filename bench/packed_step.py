@@ -20,7 +20,7 @@ import statistics
 
 from engine.backend.tuning import tune_for_backend
 from engine.bundled.pair import bundled_paths
-from engine.loading import load_pair
+from engine.models.loading import load_pair
 from engine.backend.process_tuning import tune_process_if_wanted
 from engine.step.runner import ModelRunner
 from engine.step.sampling import SamplingParams

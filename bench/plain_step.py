@@ -34,7 +34,7 @@ from drafters.lookup import LookupDrafter
 from engine.backend.tuning import tune_for_backend
 from engine.bundled.pair import bundled_paths
 from engine.config import EngineConfig
-from engine.loading import load_pair, load_target_model
+from engine.models.loading import load_pair, load_target_model
 from engine.models.resolve import resolve_target
 from engine.backend.process_tuning import tune_process_if_wanted
 from engine.step.runner import ModelRunner

@@ -185,7 +185,7 @@ def _vocab_size(model: Any) -> int | None:
 
 
 def _load_ar_draft(path: str | None, target_model: Any) -> Any:
-    from engine.loading import load_target_model
+    from engine.models.loading import load_target_model
 
     if not path:
         raise EngineUnavailable(f"not available: no AR draft model given ({AR_DRAFT_HINT})")
@@ -206,7 +206,7 @@ def _load_ar_draft(path: str | None, target_model: Any) -> Any:
 def build_engines(cfg: SuiteConfig) -> tuple[Any, list[BenchEngine]]:
     """The tokenizer and the engines the configuration asks for (not started)."""
     from engine.config import EngineConfig
-    from engine.loading import load_target_model
+    from engine.models.loading import load_target_model
 
     unknown = set(cfg.engines) - set(ENGINE_KINDS)
     if unknown:

@@ -160,7 +160,7 @@ class AsyncEngine:
 
     def _load(self) -> tuple[Any, Any]:
         from engine.backend.tuning import tune_for_backend
-        from engine.loading import load_pair
+        from engine.models.loading import load_pair
         from engine.backend.platform import report_blas
         from engine.backend.process_tuning import tune_process_if_wanted
         from engine.step.runner import ModelRunner

@@ -69,7 +69,7 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine.loading import load_pair
+    from engine.models.loading import load_pair
     from engine.models.gguf_header import GGUFError
     from engine.models.pull import PullError
     from engine.step.sampling import SamplingParams

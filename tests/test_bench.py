@@ -295,7 +295,7 @@ def test_mlx_lm_gets_a_float32_copy(tmp_path, qwen3_target_dir):
     import mlx.core as mx
     from mlx_lm.utils import save_model
 
-    from engine.loading import load_target_model
+    from engine.models.loading import load_target_model
 
     assert mlx_lm_model_dir(str(qwen3_target_dir), tmp_path / "unused")[0] == str(qwen3_target_dir)
     bf16 = tmp_path / "bf16"
@@ -330,7 +330,7 @@ def test_shipped_ar_draft_pairs_with_the_bundled_target():
     tokenizer and vocabulary, and is an order of magnitude smaller."""
     from bench.cli import DEFAULT_AR_DRAFT
     from engine.bundled.pair import bundled_paths
-    from engine.loading import load_target_model
+    from engine.models.loading import load_target_model
 
     draft_dir, (target_dir, _) = Path(DEFAULT_AR_DRAFT), bundled_paths()
     assert (draft_dir / "tokenizer.json").read_bytes() == (
@@ -400,7 +400,7 @@ def test_stop_at_eos_ends_each_request_at_the_same_token_in_every_engine(tmp_pat
 
     from bench.suite import cell_prompts
     from engine.bundled.pair import bundled_paths
-    from engine.loading import load_target_model
+    from engine.models.loading import load_target_model
 
     source, _ = bundled_paths()  # a trained target: its greedy text varies
     model, tokenizer = load_target_model(source)

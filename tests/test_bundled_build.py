@@ -16,7 +16,7 @@ from engine.bundled.pretrain import (
     stdlib_files,
     train_tokenizer,
 )
-from engine.loading import load_target_model
+from engine.models.loading import load_target_model
 
 TINY = TargetSize(hidden_size=32, num_hidden_layers=2, intermediate_size=64,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip

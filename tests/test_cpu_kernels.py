@@ -10,7 +10,7 @@ from engine import RaggedKVCache
 from engine.backend import cpu_kernels
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.loading import load_pair
+from engine.models.loading import load_pair
 from engine.step.sampling import SamplingParams
 
 

@@ -19,7 +19,7 @@ import pytest
 from drafters.dflash import train
 from drafters.dflash.checkpoint import load_dflash_model, load_drafter, save_dflash_model
 from drafters.dflash.vocab import DraftHead, choose_draft_vocab, read_draft_vocab, to_d2t
-from engine.loading import load_pair, load_target_model
+from engine.models.loading import load_pair, load_target_model
 from engine.step.sampling import SamplingParams
 from engine.step.speculative import generate
 from engine.step.target import TargetAdapter

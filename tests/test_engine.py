@@ -24,7 +24,7 @@ from engine import (
     SamplingParams,
     TargetAdapter,
 )
-from engine.loading import load_target_model
+from engine.models.loading import load_target_model
 from engine.step.runner import ModelRunner
 from scheduler.depth import FixedDepthPolicy
 

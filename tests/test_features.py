@@ -15,7 +15,7 @@ import pytest
 from drafters.dflash import features as feature_store
 from drafters.dflash import train
 from drafters.dflash.features import FeatureStore, length_batches
-from engine.loading import load_target_model
+from engine.models.loading import load_target_model
 from engine.step.target import TargetAdapter
 
 LAYER_IDS = [1, 4]

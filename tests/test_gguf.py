@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.bundled.pair import BUNDLED_TARGET
-from engine.loading import load_target_model
+from engine.models.loading import load_target_model
 from engine.models import cache, gguf
 from engine.models.gguf_header import GGUFError
 from engine.models.resolve import resolve_target
@@ -284,9 +284,9 @@ def test_mlx_lm_and_transformers_accept_the_converted_directory(sources, tmp_pat
 
 
 def test_on_a_gpu_a_gguf_computes_in_its_own_precision(sources, tmp_path, monkeypatch):
-    import engine.loading
+    import engine.models.loading
 
-    monkeypatch.setattr(engine.loading, "compute_dtype", lambda: None)  # as on Metal / CUDA
+    monkeypatch.setattr(engine.models.loading, "compute_dtype", lambda: None)  # as on Metal / CUDA
     source = sources["llama"]
     tensors, _ = gf.quantized_tensors(gf.llama_cpp_tensors(source), gf.Q4_1)
     quantized = gf.write_gguf(tmp_path / "q.gguf", tensors, gf.metadata(source))

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
 from engine import RaggedKVCache
-from engine.loading import load_target_model
+from engine.models.loading import load_target_model
 
 ATOL = 2e-5
 

@@ -19,7 +19,7 @@ from factories import target_config
 import engine.step.packed as packed
 from engine import RaggedKVCache, TargetAdapter
 from engine.bundled.pair import bundled_paths
-from engine.loading import load_target_model
+from engine.models.loading import load_target_model
 from engine.step.packed import PackedLayout, PackedVerifier, make_packed_verifier
 
 TOLERANCE = 1e-4  # float32: the packed and padded forwards sum in different orders

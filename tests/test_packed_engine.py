@@ -9,7 +9,7 @@ import random
 from test_engine import ScriptedEngine, check_invariants, plain_greedy, run_all, wait_idle
 
 from engine import EngineConfig
-from engine.loading import load_target_model
+from engine.models.loading import load_target_model
 
 
 def _record_layouts(engine) -> list:

@@ -92,7 +92,7 @@ def test_index_never_exceeds_its_budget_nor_drops_a_pinned_entry(operations):
 
 # --------------------------------------------------------------------------- the engine
 def _prompts(n: int, kinds: tuple[str, ...] = ("prose", "completion")) -> list[list[int]]:
-    from engine.loading import load_target_model
+    from engine.models.loading import load_target_model
 
     _, tokenizer = load_target_model(TARGET)
     texts = [t for w in kinds for t in load_workloads()[w]]
@@ -176,7 +176,7 @@ def test_hits_give_what_a_cold_start_gives(depth, params):
         assert [o.accepted_tokens for _, o in warm] == [o.accepted_tokens for _, o in cold]
         assert sum(o.accepted_tokens for _, o in warm) > 0
     if not params:
-        from engine.loading import load_target_model
+        from engine.models.loading import load_target_model
 
         model, _ = load_target_model(TARGET)
         prompt = _prompts(1)[0]
@@ -299,7 +299,7 @@ async def test_random_arrivals_aborts_and_evictions_stay_exact(
     plain greedy decoding, the bookkeeping holds after every step, and hits happened."""
     import random
 
-    from engine.loading import load_target_model
+    from engine.models.loading import load_target_model
 
     rng = random.Random(4)
     stems = [[rng.randrange(3, vocab_size) for _ in range(rng.randint(8, 30))] for _ in range(3)]

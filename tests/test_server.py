@@ -19,7 +19,7 @@ import openai
 import pytest
 from mlx_lm.generate import generate_step
 
-from engine.loading import load_target_model
+from engine.models.loading import load_target_model
 
 
 def _free_port() -> int:

@@ -125,7 +125,7 @@ SHIPPED_DRAFTER = default_drafter(DEFAULT_MODEL)
 def test_the_shipped_drafter_is_lossless_at_concurrency_1_and_8(mlx_lm_model, prompts):
     """DFlash drafts (fixed depth 3, DFlash only, so every step drafts) change nothing:
     greedy output equals mlx-lm's plain greedy decoding, alone and 8 at once."""
-    from engine.loading import load_pair
+    from engine.models.loading import load_pair
 
     assert load_pair(DEFAULT_MODEL, SHIPPED_DRAFTER).drafter.head is not None  # draft vocab
     model, _ = mlx_lm_model

@@ -6,7 +6,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from engine import TargetAdapter
-from engine.loading import load_target_model
+from engine.models.loading import load_target_model
 
 
 def _manual_forward(model, tokens, layer_ids):

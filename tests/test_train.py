@@ -20,7 +20,7 @@ from drafters.dflash import train
 from drafters.dflash.checkpoint import load_dflash_model, save_dflash_model
 from drafters.dflash.drafter import DFlashDrafter
 from drafters.dflash.model import DFlashDraftModel
-from engine.loading import load_target_model
+from engine.models.loading import load_target_model
 from engine.step.target import TargetAdapter
 
 PROMPTS = ["def add(a, b):\n    return", "import os\n", "class Config:\n"]

@@ -124,7 +124,7 @@ def stage_fit(work: Path, target: str, args: argparse.Namespace) -> dict[str, An
         load_sequences,
         train,
     )
-    from engine.loading import load_target_model
+    from engine.models.loading import load_target_model
     from engine.models.resolve import resolve_target
     from engine.step.target import TargetAdapter
 
@@ -177,7 +177,7 @@ def stage_eval(
 
     from drafters.dflash.datagen import encode
     from drafters.dflash.prompt_mix import build_prompts
-    from engine.loading import load_pair
+    from engine.models.loading import load_pair
     from engine.step.sampling import SamplingParams
     from engine.step.speculative import generate
 

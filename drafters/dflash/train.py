@@ -697,7 +697,7 @@ def evaluate_tau(
     Loads a separate copy of the drafter (`DFlashDrafter` fuses the context projections of the
     model it is given, which training weights must not carry).
     """
-    from engine.loading import load_pair
+    from engine.models.loading import load_pair
     from engine.step.sampling import SamplingParams
     from engine.step.speculative import generate
 
@@ -718,7 +718,7 @@ def evaluate_tau(
 def run_data(
     target_dir: str, prompts_file: str, out: str, max_tokens: int, chat_template: bool
 ) -> int:
-    from engine.loading import load_target_model
+    from engine.models.loading import load_target_model
 
     model, tokenizer = load_target_model(target_dir)
     written = generate_data(
@@ -743,7 +743,7 @@ def run_fit(
     target_layer_ids: list[int] | None = None,
     mask_token_id: int | None = None,
 ) -> TrainResult:
-    from engine.loading import load_target_model
+    from engine.models.loading import load_target_model
     from engine.models.resolve import resolve_target
 
     target_dir = resolve_target(target_dir)  # a .gguf file or a name: its converted directory

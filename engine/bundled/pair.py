@@ -163,7 +163,7 @@ def train_bundled_drafter(
     work: Path, target_dir: Path, steps: int, num_layers: int = 2, num_features: int = 3, log=print
 ):
     from drafters.dflash.train import TrainConfig, drafter_config_for_target, load_sequences, train
-    from engine.loading import load_target_model
+    from engine.models.loading import load_target_model
     from engine.step.target import TargetAdapter
 
     out_dir = work / "drafter"
@@ -217,7 +217,7 @@ def evaluate_pair(
     """
     from mlx_lm import stream_generate
 
-    from engine.loading import load_pair
+    from engine.models.loading import load_pair
     from engine.step.sampling import SamplingParams
     from engine.step.speculative import generate
 
@@ -287,7 +287,7 @@ def held_out_target_loss(work: Path, target_dir: Path) -> float:
     from tokenizers import Tokenizer
 
     from engine.bundled.pretrain import held_out_loss
-    from engine.loading import load_target_model
+    from engine.models.loading import load_target_model
 
     tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     eos = tok.token_to_id("<|endoftext|>")

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("completion", "editing", "prose", "chat", "mixed")
-ENGINE_KINDS = ("mlx-lm", "batch-generator", "mlx-lm-spec", "flashbatch")
-DEFAULT_AR_DRAFT = str(Path(__file__).with_name("ar_draft"))  # shipped; bench/train_ar_draft.py
+from bench.choices import DEFAULT_AR_DRAFT, ENGINE_KINDS, WORKLOADS
 
 
 def _csv(kind: type) -> Callable[[str], list]:

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.cli import DEFAULT_AR_DRAFT, ENGINE_KINDS, WORKLOADS
+from bench.choices import DEFAULT_AR_DRAFT, ENGINE_KINDS, WORKLOADS
 from bench.engines import (
     BenchEngine,
     EngineUnavailable,

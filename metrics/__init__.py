@@ -7,7 +7,8 @@ disconnects and connections the server closed. Every metric has the label `model
 Recording happens on the asyncio loop, never on the MLX thread.
 """
 
-from metrics.engine_metrics import METRIC_NAMES, EngineMetrics
+from metrics.catalog import METRIC_NAMES
+from metrics.engine_metrics import EngineMetrics
 from metrics.http_metrics import HTTPMetrics
 
 __all__ = ["EngineMetrics", "HTTPMetrics", "METRIC_NAMES"]

@@ -199,25 +199,3 @@ class _WithoutCreated:
         for family in self.registry.collect():
             family.samples = [s for s in family.samples if not s.name.endswith("_created")]
             yield family
-
-
-def _metric_names() -> list[str]:
-    """Every family name the engine and its HTTP server export (as Prometheus sees them,
-    suffixes included)."""
-    from metrics.http_metrics import HTTPMetrics  # it imports PREFIX from here
-
-    metrics = EngineMetrics("probe")
-    HTTPMetrics("probe", metrics.registry)
-    names = []
-    for family in metrics.registry.collect():
-        kind = family.type
-        if kind == "counter":
-            names.append(family.name + "_total")
-        elif kind == "histogram":
-            names += [family.name + s for s in ("_bucket", "_sum", "_count")]
-        else:
-            names.append(family.name)
-    return sorted(names)
-
-
-METRIC_NAMES = _metric_names()

@@ -46,7 +46,7 @@ async def generate_mix(
     temperature: float = 0.0,
 ) -> int:
     """Append the target's continuation of every prompt not yet in `out_path`; return how many."""
-    from engine.async_engine import AsyncEngine
+    from engine import AsyncEngine
     from engine.config import EngineConfig
     from engine.step.sampling import SamplingParams
 

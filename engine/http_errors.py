@@ -97,8 +97,9 @@ def _routing_error(exc: HTTPException, request: Request | None) -> HTTPError:
 
 
 def path_as_sent(scope: Scope) -> str:
-    """The request target's path as the client wrote it (percent-encoding kept). Starlette's
-    `request.url` re-parses it and reads `//v1/completions` as host `v1`, path `/completions`."""
+    """The request target's path as the client wrote it (percent-encoding kept), not
+    Starlette's `request.url.path`, which is re-parsed from a URL rebuilt with the client's
+    Host header (a path such as `//v1/completions` then depends on what that header holds)."""
     raw = scope.get("raw_path")
     return raw.decode("latin-1") if isinstance(raw, bytes) else scope["path"]
 

@@ -149,7 +149,7 @@ def _live_examples() -> list[tuple[str, str, str, str]]:
     text = _section("## Set-up", "## Use") + _section("### HTTP (OpenAI-compatible)", "#### Errors")
     blocks = _blocks(text)
     examples = []
-    for (language, code), (answer_language, answer) in zip(blocks, blocks[1:]):
+    for (language, code), (answer_language, answer) in zip(blocks, [*blocks[1:], ("", "")]):
         live = f":{PORT_WRITTEN}" in code or code.startswith("flashbatch generate")
         if language in ("bash", "python") and live:
             examples.append((language, code, answer_language, answer))
@@ -206,6 +206,7 @@ def test_readme_examples_are_all_found():
 def test_readme_example_gives_the_answer_shown(readme_server, index):
     language, code, answer_language, answer = _live_examples()[index]
     stdout = _run_as_written(language, code, readme_server.port)
+    assert answer_language in ("json", "text"), f"the README shows no answer for:\n{code}"
     if answer_language == "text":
         got = _streamed_text(stdout) if '"stream": true' in code else stdout
         assert got.strip() == answer.strip()

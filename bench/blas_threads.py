@@ -21,8 +21,8 @@ import time
 import mlx.core as mx
 
 from engine.backend.blas_threads import THREADS_ENV_VAR, blas_threads
-from engine.step.kv_cache import RaggedKVCache
 from engine.models.loading import load_target_model
+from engine.step.kv_cache import RaggedKVCache
 
 
 def main() -> None:
@@ -34,7 +34,9 @@ def main() -> None:
     os.environ.setdefault(THREADS_ENV_VAR, "1")  # any count: the control is what is needed
     control = blas_threads()
     if control is None:
-        raise SystemExit("no OpenBLAS thread control in this process (see engine/backend/blas_threads.py)")
+        raise SystemExit(
+            "no OpenBLAS thread control in this process (see engine/backend/blas_threads.py)"
+        )
     model, _ = load_target_model(args.target)
     layers = len(model.model.layers)
     forwards = {}

@@ -31,10 +31,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ar-draft", default=DEFAULT_AR_DRAFT,
         help="autoregressive draft model for mlx-lm speculative decoding "
-        f"(default {DEFAULT_AR_DRAFT}; build it with bench/train_ar_draft.py)",
+        f"(default: {DEFAULT_AR_DRAFT}; build it with bench/train_ar_draft.py)",
     )  # fmt: skip
     parser.add_argument(
-        "--num-draft-tokens", type=int, default=3, help="mlx-lm speculative draft tokens (3)"
+        "--num-draft-tokens", type=int, default=3, help="mlx-lm speculative draft tokens"
     )
     parser.add_argument(
         "--workloads", type=_csv(str), help=f"comma-separated (default {','.join(WORKLOADS)})"
@@ -59,7 +59,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--policies", type=_csv(str),
         help="flashbatch engines: off, fixed depths, adaptive (adaptive-unguarded: without the "
         "never-slower guard), each optionally @dflash, @lookup "
-        "or @dflash+lookup (draft sources; default: both with a drafter, else lookup); "
+        "or @dflash+lookup (draft sources; unsuffixed: both with a drafter, else lookup); "
         "default off,3,7,adaptive",
     )  # fmt: skip
     parser.add_argument(
@@ -71,9 +71,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="every engine ends a request at the target's EOS, as a user's request ends "
         "(default: EOS ignored, every request max_tokens long)",
     )  # fmt: skip
-    parser.add_argument("--no-warmup", dest="warmup", action="store_false")
+    parser.add_argument(
+        "--no-warmup", dest="warmup", action="store_false",
+        help="skip the untimed warm-up of each engine (by default each is warmed up first)",
+    )  # fmt: skip
     parser.add_argument("--out", help="results folder (default results/<timestamp>)")
-    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    parser.add_argument(
+        "--no-progress", dest="progress", action="store_false",
+        help="show no progress while running (by default a progress line is kept up to date)",
+    )  # fmt: skip
     parser.add_argument(
         "--quick", action="store_true",
         help="a smoke run in minutes: completion, greedy, concurrency 1,2, 4 requests x 16 "
@@ -103,25 +109,36 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="--compare: batch size of both servers (flashbatch --max-num-seqs, mlx_lm.server "
         "--decode-concurrency)",
     )  # fmt: skip
-    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--num-requests", type=int, default=32, help="requests in the run")
     parser.add_argument("--concurrency", type=int, help="most requests in flight (default 8)")
     parser.add_argument(
         "--request-rate", type=float, help="Poisson arrivals per second (default: all at once)"
     )
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument(
+        "--no-ignore-eos", dest="ignore_eos", action="store_false",
+        help="let requests end at EOS (by default they ask ignore_eos, so each is --max-tokens "
+        "long)",
+    )  # fmt: skip
     parser.add_argument("--model", help="the requests' model field (default: omitted)")
-    parser.add_argument("--workload", default="completion", choices=WORKLOADS)
+    parser.add_argument(
+        "--workload", default="completion", choices=WORKLOADS, help="the kind of prompts sent"
+    )
     parser.add_argument(
         "--prompt", action="append", help="a prompt (repeatable; replaces the workload)"
     )
     parser.add_argument("--seed", type=int, default=0, help="Poisson arrivals' seed")
-    parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--request-timeout", type=float, default=300.0, help="one request's limit (s)"
+    )
     parser.add_argument(
         "--max-duration", type=float, default=600.0, help="the whole run's limit (s)"
     )
-    parser.add_argument("--no-warmup", dest="warmup", action="store_false")
+    parser.add_argument(
+        "--no-warmup", dest="warmup", action="store_false",
+        help="skip the untimed warm-up (by default two short requests are sent first)",
+    )  # fmt: skip
     parser.add_argument("--out", help="results folder (default results/<timestamp>-serve)")
 
 

@@ -25,10 +25,10 @@ import mlx.core as mx
 from bench.packed_step import _admit, print_ratio_table  # one prefill admits all
 from drafters.dflash.datagen import encode
 from drafters.lookup import LookupDrafter
+from engine.backend.process_tuning import tune_process_if_wanted
 from engine.backend.tuning import tune_for_backend
 from engine.models.loading import load_pair
 from engine.step.packed import PackedLayout
-from engine.backend.process_tuning import tune_process_if_wanted
 from engine.step.runner import ModelRunner
 
 

@@ -18,10 +18,10 @@ import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
 import argparse
 import statistics
 
+from engine.backend.process_tuning import tune_process_if_wanted
 from engine.backend.tuning import tune_for_backend
 from engine.bundled.pair import bundled_paths
 from engine.models.loading import load_pair
-from engine.backend.process_tuning import tune_process_if_wanted
 from engine.step.runner import ModelRunner
 from engine.step.sampling import SamplingParams
 from scheduler.plan import Admission, PrefillChunk, StepPlan

@@ -31,12 +31,12 @@ from collections.abc import Callable
 from bench.packed_step import _admit  # one prefill admits all
 from bench.paired import paired_ratio
 from drafters.lookup import LookupDrafter
+from engine.backend.process_tuning import tune_process_if_wanted
 from engine.backend.tuning import tune_for_backend
 from engine.bundled.pair import bundled_paths
 from engine.config import EngineConfig
 from engine.models.loading import load_pair, load_target_model
 from engine.models.resolve import resolve_target
-from engine.backend.process_tuning import tune_process_if_wanted
 from engine.step.runner import ModelRunner
 from engine.step.sampling import SamplingParams
 from scheduler.plan import StepPlan

@@ -1,4 +1,5 @@
-"""What process tuning (`engine/backend/process_tuning.py`) buys: fresh processes, tuned and untuned.
+"""What process tuning (`engine/backend/process_tuning.py`) buys: fresh processes, tuned and
+untuned.
 
     python bench/process_tuning.py [--target smollm2-135m-instruct] [--workload completion]
         [--concurrency 1] [--policy off|adaptive] [--requests 8] [--max-tokens 48] [--pairs 4]

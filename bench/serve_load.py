@@ -425,9 +425,9 @@ def mlx_lm_model_dir(target: str, work: Path) -> tuple[str, str]:
     flashbatch casts the target to float32 on the CPU backend; mlx_lm.server keeps the stored
     dtype. For the same arithmetic, a bf16/fp16 checkpoint gets a float32 copy for mlx-lm."""
     import engine  # noqa: F401  (fast BLAS before mlx)
+    from engine.backend.platform import compute_dtype
     from engine.models.loading import load_target_model
     from engine.models.resolve import resolve_target
-    from engine.backend.platform import compute_dtype
 
     target = str(resolve_target(target))  # a .gguf file or a model name: its mlx-lm directory
     if compute_dtype() is None or stored_dtypes(Path(target)) <= {"F32"}:

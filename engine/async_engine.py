@@ -27,8 +27,8 @@ from drafters.lookup import LookupDrafter
 from engine.backend import process_tuning
 from engine.config import EngineConfig
 from engine.errors import EngineClosed, InvalidRequest
-from engine.step.logprobs import TokenLogprob
 from engine.models.resolve import display_name
+from engine.step.logprobs import TokenLogprob
 from engine.step.prefix_cache import PrefixIndex
 from engine.step.sampling import SamplingParams
 from engine.step.stopping import StopChecker, eos_ids_of
@@ -159,10 +159,10 @@ class AsyncEngine:
         self._loop_task = asyncio.create_task(self._run(), name="flashbatch-scheduler")
 
     def _load(self) -> tuple[Any, Any]:
-        from engine.backend.tuning import tune_for_backend
-        from engine.models.loading import load_pair
         from engine.backend.platform import report_blas
         from engine.backend.process_tuning import tune_process_if_wanted
+        from engine.backend.tuning import tune_for_backend
+        from engine.models.loading import load_pair
         from engine.step.runner import ModelRunner
 
         if self.config.process_tuning:

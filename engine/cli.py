@@ -69,8 +69,8 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine.models.loading import load_pair
     from engine.models.gguf_header import GGUFError
+    from engine.models.loading import load_pair
     from engine.models.pull import PullError
     from engine.step.sampling import SamplingParams
     from engine.step.speculative import generate
@@ -90,21 +90,48 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         num_speculative_tokens=args.num_speculative_tokens,
     )
-    prompt_ids = pair.tokenizer.encode(args.prompt)
+    chat = _use_chat(args.chat, pair.tokenizer)
+    print(f"[prompt: {'chat template' if chat else 'raw text'}]", file=sys.stderr)
+    if chat:
+        messages = [{"role": "user", "content": args.prompt}]
+        prompt_ids = list(pair.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    else:
+        prompt_ids = pair.tokenizer.encode(args.prompt)
     start = time.perf_counter()
     result = generate(
         pair.target, prompt_ids, params, drafter=pair.drafter, tokenizer=pair.tokenizer
     )
     elapsed = time.perf_counter() - start
     print(result.text)
-    print(
-        f"\n[{len(result.token_ids)} tokens in {elapsed:.2f}s = "
-        f"{len(result.token_ids) / elapsed:.1f} tok/s; steps {len(result.steps)}, "
-        f"drafted {result.drafted}, accepted {result.accepted}, tau {result.tau:.2f}, "
-        f"finish {result.finish_reason}]",
-        file=sys.stderr,
-    )
+    print(f"\n[{generate_summary(result, elapsed)}]", file=sys.stderr)
     return 0
+
+
+def _use_chat(flag: bool | None, tokenizer: Any) -> bool:
+    """--chat / --no-chat; unset: the chat template when the model has one (instruct models
+    answer raw text poorly: "What is the capital of France?" got an empty answer)."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if flag and not has_template:
+        raise SystemExit("flashbatch generate: --chat: this model has no chat template")
+    return has_template if flag is None else flag
+
+
+def generate_summary(result: Any, elapsed: float) -> str:
+    """One line on what happened. The first token comes from the prompt's forward (prefill);
+    every later one from a verify step, so a one-token answer has no steps to report."""
+    n = len(result.token_ids)
+    rate = f" = {n / elapsed:.1f} tok/s" if elapsed > 0 and n else ""
+    head = f"{n} token{'s' if n != 1 else ''} in {elapsed:.2f}s{rate}; "
+    tail = f"finish {result.finish_reason}"
+    if not result.steps:
+        what = "no decode steps (the only token came from the prompt's forward)" if n else (
+            "no tokens generated")  # fmt: skip
+        return head + what + "; " + tail
+    steps = f"{len(result.steps)} decode step{'s' if len(result.steps) != 1 else ''}"
+    if not result.drafted:
+        return f"{head}{steps}, nothing drafted; {tail}"
+    return (f"{head}{steps}, drafted {result.drafted}, accepted {result.accepted}, "
+            f"tau {result.tau:.2f}; {tail}")  # fmt: skip
 
 
 def _train_drafter(args: argparse.Namespace) -> int:
@@ -161,10 +188,10 @@ def _env(name: str, default: Any = None, kind: type = str) -> Any:
 def _serve(args: argparse.Namespace) -> int:
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
+    from engine.http.server import ServerSettings, serve
     from engine.models.gguf_header import GGUFError
     from engine.models.pull import PullError
     from engine.models.resolve import resolve_target
-    from engine.http.server import ServerSettings, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     target, drafter = _pair_paths(args.target, args.drafter)
@@ -185,8 +212,13 @@ def _serve(args: argparse.Namespace) -> int:
         prefix_cache_bytes=args.prefix_cache_bytes,
         drafting_guard=args.drafting_guard == "on",
     )
+    try:
+        api_key = _api_key(args.api_key, args.api_key_file)
+    except (OSError, ValueError) as exc:
+        print(f"flashbatch serve: {exc}", file=sys.stderr)
+        return 2
     settings = ServerSettings(
-        api_key=args.api_key,
+        api_key=api_key,
         protect_metrics=args.protect_metrics,
         max_body_bytes=args.max_body_bytes,
         max_tokens_cap=args.max_tokens_cap,
@@ -197,27 +229,49 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(AsyncEngine(config), settings, args.host, args.port, args.log_level)
 
 
+def _api_key(key: str | None, key_file: str | None) -> str | None:
+    """The API key: from --api-key-file (or FLASHBATCH_API_KEY_FILE), the file's first line,
+    so the key never shows in `ps`; else --api-key / FLASHBATCH_API_KEY."""
+    if key_file:
+        if key:
+            raise ValueError("give --api-key or --api-key-file, not both")
+        with open(key_file) as file:
+            key = file.readline().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {key_file}: the file's first line is empty")
+    return key or None
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" where it says something, once: not when the help already names
+    its default, not for an unset (None) default, and not for on/off flags, whose stored
+    value (`--no-warmup`'s True) reads as the opposite of what the flag does."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "default" in text
+            or action.default in (None, argparse.SUPPRESS)
+            or not action.option_strings
+            or action.nargs == 0
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     """Every command's --help shows the defaults (the environment's, where one is set)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, **kwargs)
-
-    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
-        action = super().add_argument(*args, **kwargs)
-        # argparse shows a default only beside a help text: give bare options one.
-        shown = action.default is not None and action.default is not False
-        if not action.help and action.option_strings and shown:
-            action.help = "default: %(default)s"
-        return action
 
 
 TARGET_HELP = (
     "mlx-lm model directory, .gguf file, or model name (`flashbatch pull --list`; "
     "'bundled' = the bundled offline pair)"
 )
-DEFAULT_TARGET_HELP = f"{TARGET_HELP[:-1]}; default {DEFAULT_MODEL})"
+DEFAULT_TARGET_HELP = TARGET_HELP
 DRAFTER_HELP = "DFlash drafter directory (default: the named model's own, if any; 'none': off)"
 
 
@@ -232,21 +286,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--target", default=_env("TARGET", DEFAULT_MODEL), help=DEFAULT_TARGET_HELP)
     srv.add_argument("--drafter", default=_env("DRAFTER"), help=DRAFTER_HELP)
-    srv.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"))
-    srv.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    srv.add_argument("--port", type=int, default=_env("PORT", 8000, int))
-    srv.add_argument("--api-key", default=_env("API_KEY"), help="require Bearer auth on /v1/*")
+    srv.add_argument(
+        "--served-model-name", default=_env("SERVED_MODEL_NAME"),
+        help="the model name clients send and see (default: the target's name); requests "
+        "naming another model get a 404",
+    )  # fmt: skip
+    srv.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind")
+    srv.add_argument("--port", type=int, default=_env("PORT", 8000, int), help="port to bind")
+    srv.add_argument(
+        "--api-key-file", default=_env("API_KEY_FILE"),
+        help="require `Authorization: Bearer <key>` on /v1/*, the key being this file's first "
+        "line (the way to set a key: FLASHBATCH_API_KEY works too, --api-key shows in `ps`)",
+    )  # fmt: skip
+    srv.add_argument(
+        "--api-key", default=_env("API_KEY"),
+        help="the key itself (visible to every user in `ps`: prefer --api-key-file or "
+        "FLASHBATCH_API_KEY)",
+    )  # fmt: skip
     srv.add_argument(
         "--protect-metrics",
         action="store_true",
         default=_env("PROTECT_METRICS", False, _flag),
         help="auth on /metrics too",
     )
-    srv.add_argument("--max-num-seqs", type=int, default=_env("MAX_NUM_SEQS", 32, int))
-    srv.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None, int))
     srv.add_argument(
-        "--max-waiting-requests", type=int, default=_env("MAX_WAITING_REQUESTS", 256, int)
-    )
+        "--max-num-seqs", type=int, default=_env("MAX_NUM_SEQS", 32, int),
+        help="requests decoded together (the batch size at most)",
+    )  # fmt: skip
+    srv.add_argument(
+        "--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None, int),
+        help="prompt + output tokens per request at most (default: the model's context)",
+    )  # fmt: skip
+    srv.add_argument(
+        "--max-waiting-requests", type=int, default=_env("MAX_WAITING_REQUESTS", 256, int),
+        help="queued requests at most; one more is answered 429 with Retry-After",
+    )  # fmt: skip
     srv.add_argument(
         "--num-speculative-tokens",
         type=int,
@@ -264,11 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("on", "off"),
         default=_env("DRAFTING_GUARD", "on"),
         help="adaptive depth only: hold drafting off at batch sizes where whole steps measured "
-        "slower with it (default on; off: the depth controller alone)",
+        "slower with it (default: on; off: the depth controller alone)",
     )
     srv.add_argument(
-        "--prefill-chunk-tokens", type=int, default=_env("PREFILL_CHUNK_TOKENS", 1024, int)
-    )
+        "--prefill-chunk-tokens", type=int, default=_env("PREFILL_CHUNK_TOKENS", 1024, int),
+        help="prompt tokens prefilled per step, across all prefilling requests",
+    )  # fmt: skip
     srv.add_argument(
         "--prefix-cache-bytes",
         type=int,
@@ -276,8 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefix cache budget in bytes (finished requests' KV, reused by later prompts "
         "that start the same way); 0 = off",
     )
-    srv.add_argument("--max-body-bytes", type=int, default=_env("MAX_BODY_BYTES", 1 << 20, int))
-    srv.add_argument("--max-tokens-cap", type=int, default=_env("MAX_TOKENS_CAP", 4096, int))
+    srv.add_argument(
+        "--max-body-bytes", type=int, default=_env("MAX_BODY_BYTES", 1 << 20, int),
+        help="request body size limit in bytes, as sent and decompressed; over it: 413",
+    )  # fmt: skip
+    srv.add_argument(
+        "--max-tokens-cap", type=int, default=_env("MAX_TOKENS_CAP", 4096, int),
+        help="the most tokens one request may ask for; more is a 400",
+    )  # fmt: skip
     srv.add_argument(
         "--drain-timeout",
         type=float,
@@ -296,7 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("MAX_CONNECTIONS", 512, int),
         help="open HTTP connections at most; one more is closed when accepted",
     )
-    srv.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
+    srv.add_argument(
+        "--log-level", default=_env("LOG_LEVEL", "info"),
+        help="debug, info (with the access log), warning, error",
+    )  # fmt: skip
     srv.set_defaults(func=_serve)
 
     pull = sub.add_parser("pull", help="fetch and convert a named model (cached; offline after)")
@@ -310,13 +394,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate one completion (speculative with --drafter)")
     gen.add_argument("--target", default=_env("TARGET", DEFAULT_MODEL), help=DEFAULT_TARGET_HELP)
     gen.add_argument("--drafter", default=_env("DRAFTER"), help=DRAFTER_HELP)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--prompt", required=True, help="the prompt text (a user message with --chat)")
+    gen.add_argument(
+        "--chat", action=argparse.BooleanOptionalAction, default=None,
+        help="send the prompt as a user message through the model's chat template (--chat) "
+        "or as raw text (--no-chat); default: the chat template when the model has one",
+    )  # fmt: skip
+    gen.add_argument("--max-tokens", type=int, default=128, help="output tokens at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest; 0 = off")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top")
+    gen.add_argument("--seed", type=int, help="sampling seed (default: random)")
     gen.add_argument("--num-speculative-tokens", type=int, help="draft cap (0 = off)")
     gen.set_defaults(func=_generate)
 
@@ -326,25 +415,34 @@ def build_parser() -> argparse.ArgumentParser:
     td_data.add_argument("--target", required=True, help=TARGET_HELP)
     td_data.add_argument("--prompts", required=True, help="one prompt per line, or .jsonl")
     td_data.add_argument("--out", required=True, help="output JSONL (resumes if it exists)")
-    td_data.add_argument("--max-tokens", type=int, default=256)
+    td_data.add_argument("--max-tokens", type=int, default=256, help="tokens per continuation")
     td_fit = td_steps.add_parser("fit", help="train a drafter on a data JSONL")
     td_fit.add_argument("--target", required=True, help=TARGET_HELP)
     td_fit.add_argument("--data", required=True, help="JSONL written by `data`")
     td_fit.add_argument("--out", required=True, help="drafter directory (z-lab layout)")
     td_fit.add_argument("--layers", type=int, default=1, help="drafter layers")
-    td_fit.add_argument("--block-size", type=int, default=16)
+    td_fit.add_argument("--block-size", type=int, default=16, help="tokens per drafted block")
     td_fit.add_argument(
         "--target-layer-ids", type=lambda s: [int(i) for i in s.split(",")],
         help="tapped target layers, comma-separated (default: the reference rule)",
     )  # fmt: skip
-    td_fit.add_argument("--mask-token-id", type=int, help="default: the last embedding row")
-    td_fit.add_argument("--steps", type=int, default=1000)
+    td_fit.add_argument(
+        "--mask-token-id", type=int, help="the mask token's id (default: the last embedding row)"
+    )
+    td_fit.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     td_fit.add_argument("--batch-size", type=int, default=1, help="sequences per step")
-    td_fit.add_argument("--lr", type=float, default=6e-4)
-    td_fit.add_argument("--num-anchors", type=int, default=64)
-    td_fit.add_argument("--max-len", type=int, default=2048)
-    td_fit.add_argument("--seed", type=int, default=0)
-    td_fit.add_argument("--checkpoint-every", type=int, default=100)
+    td_fit.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
+    td_fit.add_argument(
+        "--num-anchors", type=int, default=64, help="blocks (anchors) trained per sequence"
+    )
+    td_fit.add_argument("--max-len", type=int, default=2048, help="tokens per sequence at most")
+    td_fit.add_argument("--seed", type=int, default=0, help="initialization and sampling seed")
+    td_fit.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=100,
+        help="steps between checkpoints in --out; 0: only at the end",
+    )
     td_fit.add_argument(
         "--feature-cache-mb", type=int, default=4096,
         help="keep the frozen target's features between epochs up to this many MiB (0: off)",
@@ -356,9 +454,12 @@ def build_parser() -> argparse.ArgumentParser:
     td_eval.add_argument("--target", required=True, help=TARGET_HELP)
     td_eval.add_argument("--drafter", required=True, help="drafter directory")
     td_eval.add_argument("--prompts", required=True, help="one prompt per line, or .jsonl")
-    td_eval.add_argument("--max-tokens", type=int, default=128)
+    td_eval.add_argument("--max-tokens", type=int, default=128, help="tokens per prompt")
     for step_parser in (td_data, td_eval):
-        step_parser.add_argument("--no-chat-template", action="store_true")
+        step_parser.add_argument(
+            "--no-chat-template", action="store_true",
+            help="use the prompts as raw text (by default each goes through the chat template)",
+        )  # fmt: skip
     td.set_defaults(func=_train_drafter)
 
     try:

@@ -26,6 +26,18 @@ from engine.bundled.pretrain import build_bpe_tokenizer
 TOKENIZER_VOCAB = 384
 
 
+def prometheus_tool_absent(tool: str) -> str:
+    """The skip reason of a test that needs promtool or prometheus: both come with Debian's
+    `prometheus` package, which `.ci/run` installs and the README's set-up commands do not."""
+    return (
+        f"{tool} not installed: it comes with Debian's `prometheus` package, which .ci/run "
+        "installs and the README's set-up commands do not (apt-get install prometheus)"
+    )
+
+
+PROMTOOL_ABSENT = prometheus_tool_absent("promtool")
+
+
 def build_tokenizer(directory: Path) -> None:
     """A byte-level BPE tokenizer that `mlx_lm.load` accepts (trained in about a second)."""
     corpus = [inspect.getsource(m) for m in (json, inspect, importlib)]

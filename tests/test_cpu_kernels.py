@@ -1,4 +1,5 @@
-"""The CPU kernels (engine.backend.cpu_kernels, engine.backend.cpu_layers) equal MLX's own to float32 rounding."""
+"""The CPU kernels (engine.backend.cpu_kernels, engine.backend.cpu_layers) equal MLX's own to
+float32 rounding."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import mlx.nn as nn
 import pytest
 
 from engine import RaggedKVCache
-from engine.backend import cpu_kernels
 from engine.async_engine import AsyncEngine
+from engine.backend import cpu_kernels
 from engine.config import EngineConfig
 from engine.models.loading import load_pair
 from engine.step.sampling import SamplingParams

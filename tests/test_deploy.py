@@ -24,6 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from factories import PROMTOOL_ABSENT, prometheus_tool_absent
 
 from metrics import METRIC_NAMES, EngineMetrics, HTTPMetrics
 
@@ -200,7 +201,7 @@ def _grafana_to_promql(expr: str, model: str = ".*", rate_interval: str = "1m") 
 def _promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.skip("promtool not installed (Debian package: prometheus)")
+        pytest.skip(PROMTOOL_ABSENT)
     return path
 
 
@@ -746,7 +747,7 @@ def test_dashboard_queries_return_data_from_a_real_prometheus(tmp_path):
     queries and the KEDA query return series, with the labels their legends name."""
     prometheus = shutil.which("prometheus")
     if prometheus is None:
-        pytest.skip("prometheus not installed (Debian package: prometheus)")
+        pytest.skip(prometheus_tool_absent("prometheus"))
     model = "probe-model"
     engine_metrics = EngineMetrics(model)
     HTTPMetrics(model, engine_metrics.registry).on_disconnect("stream")  # the server adds these

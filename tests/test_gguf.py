@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from engine.bundled.pair import BUNDLED_TARGET
-from engine.models.loading import load_target_model
 from engine.models import cache, gguf
 from engine.models.gguf_header import GGUFError
+from engine.models.loading import load_target_model
 from engine.models.resolve import resolve_target
 
 PROMPT = [5, 17, 300, 2048, 4000, 11, 99, 1234, 7, 3000, 42, 8]

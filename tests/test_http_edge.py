@@ -13,9 +13,11 @@ import json
 import signal
 import socket
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import httpx
+import openai
 import pytest
 from test_server import ServerProcess, _metric
 
@@ -26,9 +28,12 @@ LOG_ALARMS = ("Traceback", "ERROR", "Exception in ASGI", "CancelledError")
 
 
 @pytest.fixture(scope="module")
-def edge_server(qwen3_target_dir):
+def edge_server(qwen3_target_dir, tmp_path_factory):
+    # The key from a file, the documented way: it stays out of the command line (`ps`).
+    key_file = tmp_path_factory.mktemp("secrets") / "api-key"
+    key_file.write_text(KEY + "\n")
     s = ServerProcess(qwen3_target_dir, None, "--log-level", "info", "--max-body-bytes", "65536",
-                      env={"FLASHBATCH_API_KEY": KEY})  # fmt: skip
+                      "--api-key-file", str(key_file))  # fmt: skip
     yield s
     s.stop()
 
@@ -121,7 +126,16 @@ CORPUS = [
     Case("trailing comma", 400, b'{"prompt": "x",}'),
     Case("control character in string", 400, b'{"prompt": "a\x01b"}'),
     Case("bad escape", 400, b'{"prompt": "\\q"}'),
-    Case("gzip body, no decoding", 400, gzip.compress(b'{"prompt": "x"}'),
+    Case("brotli body", 415, b"\x1b\x0e\x00\xf8", headers={**AUTH, "Content-Encoding": "br"}),
+    Case("two content codings", 415, gzip.compress(gzip.compress(b'{"prompt": "x"}')),
+         headers={**AUTH, "Content-Encoding": "gzip, gzip"}),
+    Case("gzip header, plain body", 400, b'{"prompt": "x"}',
+         headers={**AUTH, "Content-Encoding": "gzip"}),
+    Case("truncated gzip", 400, gzip.compress(b'{"prompt": "x"}')[:-6],
+         headers={**AUTH, "Content-Encoding": "gzip"}),
+    Case("gzip bomb", 413, gzip.compress(b" " * 20_000_000),
+         headers={**AUTH, "Content-Encoding": "gzip"}),
+    Case("gzip, then garbage", 400, gzip.compress(b'{"prompt": "x"}') + b"junk",
          headers={**AUTH, "Content-Encoding": "gzip"}),
     Case("form-encoded body", 400, b"prompt=x&max_tokens=2",
          headers={**AUTH, "Content-Type": "application/x-www-form-urlencoded"}),
@@ -244,6 +258,9 @@ CORPUS = [
     Case("unknown path", 404, method="GET", path="/nope"),
     Case("unknown v1 path", 404, method="POST", path="/v1/embeddings", body={"input": "x"}),
     Case("path with a suffix", 404, method="POST", path="/v1/completions/x", body={}),
+    Case("trailing slash", 404, {"prompt": "x"}, path="/v1/completions/"),
+    Case("trailing slash, chat", 404, _chat(), path="/v1/chat/completions/"),
+    Case("trailing slash, GET", 404, method="GET", path="/v1/models/"),
     Case("upper-case path", 404, method="GET", path="/V1/MODELS"),
     Case("double slash", 404, method="GET", path="//v1/models"),
     Case("percent-encoded junk", 404, method="GET", path="/%ff%fe"),
@@ -338,7 +355,9 @@ def test_malformed_request_gets_an_openai_error_and_the_server_carries_on(edge_s
     if status == 405:
         assert "GET" in headers["allow"] or "POST" in headers["allow"]
     if status == 404 and case.raw is None and "model" not in (error["param"] or ""):
-        assert case.method in error["message"]  # "Invalid URL (GET /nope)", as OpenAI words it
+        # "Invalid URL (GET /nope)", as OpenAI words it, with the path as sent
+        assert f"({case.method} {case.path.split('?')[0]})" in error["message"]
+    assert "location" not in headers  # never a redirect
     _assert_still_serving(edge_server)
     log = _log_since(edge_server, offset)
     _assert_quiet_log(log)
@@ -473,6 +492,155 @@ def test_metrics_carry_no_created_series(edge_server):
     text = httpx.get(edge_server.url + "/metrics").text
     assert "flashbatch_request_success_total" in text
     assert "_created" not in text
+
+
+# ----------------------------------------------------------------------------- issue 45
+def test_api_key_file_keeps_the_key_out_of_the_command_line(edge_server):
+    with open(f"/proc/{edge_server.process.pid}/cmdline", "rb") as cmdline:
+        assert KEY.encode() not in cmdline.read()
+    url = edge_server.url + "/v1/models"
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers=AUTH).status_code == 200
+
+
+async def _chunks(total: int, size: int = 1 << 20):
+    prefix, sent = b'{"prompt": "', 0
+    yield prefix
+    while sent < total:
+        yield b"x" * min(size, total - sent)
+        sent += size
+    yield b'"}'
+
+
+@pytest.mark.parametrize("megabytes", [2, 5, 50])
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+async def test_early_413_reaches_async_clients(edge_server, megabytes, framing):
+    """The 413 is sent before the body is read; the lingering close lets clients that write
+    the whole body before reading (httpx.AsyncClient, AsyncOpenAI) read it: no reset."""
+    offset = _log_size(edge_server)
+    size = megabytes << 20
+    async with httpx.AsyncClient(base_url=edge_server.url, headers=AUTH, timeout=60) as client:
+        if framing == "chunked":  # no Content-Length: the limit is found while reading
+            response = await client.post(COMPLETIONS, content=_chunks(size))
+        else:
+            response = await client.post(COMPLETIONS, json={"prompt": "x" * size})
+        assert response.status_code == 413, response.text
+        assert _assert_openai_error(response.content)["code"] == "request_too_large"
+        assert response.headers["connection"] == "close"
+        followed = await client.get("/v1/models")  # the pool opens a new connection
+        assert followed.status_code == 200
+    if framing == "content-length":
+        model = followed.json()["data"][0]["id"]
+        client = openai.AsyncOpenAI(base_url=edge_server.url + "/v1", api_key=KEY,
+                                    max_retries=0, timeout=60)  # fmt: skip
+        try:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await client.completions.create(model=model, prompt="x" * size, max_tokens=1)
+        finally:
+            await client.close()
+        assert caught.value.status_code == 413
+        assert caught.value.body["code"] == "request_too_large"
+    _assert_quiet_log(_log_since(edge_server, offset))
+
+
+async def test_malformed_corpus_with_an_async_client(edge_server):
+    """The corpus again, through one httpx.AsyncClient, eight at a time: the same answers."""
+    cases = [case for case in CORPUS if case.raw is None]
+    limit = asyncio.Semaphore(8)
+
+    async def send(client: httpx.AsyncClient, case: Case) -> tuple[Case, httpx.Response]:
+        content = case.body
+        if not isinstance(content, bytes) and content is not None:
+            content = json.dumps(content).encode()
+        headers = {"Content-Type": "application/json", **case.headers}
+        if content is None:
+            headers.pop("Content-Type")
+        async with limit:
+            return case, await client.request(case.method, case.path, content=content,
+                                              headers=headers)  # fmt: skip
+
+    offset = _log_size(edge_server)
+    async with httpx.AsyncClient(base_url=edge_server.url, timeout=60) as client:
+        answers = await asyncio.gather(*(send(client, case) for case in cases))
+    for case, response in answers:
+        expected = case.status if isinstance(case.status, tuple) else (case.status,)
+        assert response.status_code in expected, (case.name, response.text)
+        _assert_openai_error(response.content)
+    _assert_still_serving(edge_server)
+    _assert_quiet_log(_log_since(edge_server, offset))
+
+
+def test_trailing_slash_is_a_404_not_a_redirect_built_from_host(edge_server):
+    request = (f"POST {COMPLETIONS}/ HTTP/1.1\nHost: evil.example\n"
+               f"Authorization: Bearer {KEY}\nContent-Type: application/json\n"
+               "Content-Length: 15\nConnection: close\n")  # fmt: skip
+    status, headers, body = _send_raw(edge_server, _raw(request, b'{"prompt": "x"}'))
+    assert status == 404 and "location" not in headers
+    error = _assert_openai_error(body)
+    assert error["message"] == f"Invalid URL (POST {COMPLETIONS}/)"
+
+
+def test_double_slash_path_is_reported_as_sent(edge_server):
+    request = f"POST /{COMPLETIONS} HTTP/1.1\nHost: t\nContent-Length: 2\nConnection: close\n"
+    status, _, body = _send_raw(edge_server, _raw(request, b"{}"))
+    assert status == 404
+    assert _assert_openai_error(body)["message"] == f"Invalid URL (POST /{COMPLETIONS})"
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    data = b""
+    sock.settimeout(30)
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_transfer_encoding_with_content_length_is_a_400_and_closes(edge_server):
+    """RFC 9112 section 6.1: a well-formed chunked body beside a Content-Length, on a
+    keep-alive connection, with a second request behind it (what a smuggler would hide)."""
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    head = (f"POST {COMPLETIONS} HTTP/1.1\nHost: t\nAuthorization: Bearer {KEY}\n"
+            f"Content-Type: application/json\nContent-Length: {len(chunked)}\n"
+            "Transfer-Encoding: chunked\n")  # fmt: skip
+    behind = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", edge_server.port), timeout=30) as sock:
+        sock.sendall(_raw(head, chunked) + behind)
+        answer = _read_all(sock)  # ends: the server closed the connection
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert answer.count(b"HTTP/1.1 ") == 1  # the request behind it was not served
+    head_part, _, error_body = answer.partition(b"\r\n\r\n")
+    assert b"connection: close" in head_part.lower()
+    assert "Transfer-Encoding" in _assert_openai_error(error_body)["message"]
+
+
+def test_gzip_and_deflate_bodies_are_decoded(edge_server):
+    body = json.dumps({"prompt": "def f(", "max_tokens": 2, "temperature": 0}).encode()
+    plain = httpx.post(edge_server.url + COMPLETIONS, content=body, timeout=30,
+                       headers={**AUTH, "Content-Type": "application/json"})  # fmt: skip
+    assert plain.status_code == 200
+    for coding, data in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+        headers = {**AUTH, "Content-Type": "application/json", "Content-Encoding": coding}
+        answer = httpx.post(edge_server.url + COMPLETIONS, content=data, headers=headers,
+                            timeout=30)  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+
+
+def test_decoded_size_counts_against_the_body_limit(edge_server):
+    """Under the limit as sent, over it decoded: a 413 (the limit is 64 KiB here)."""
+    headers = {**AUTH, "Content-Type": "application/json", "Content-Encoding": "gzip"}
+    fits = json.dumps({"prompt": "x" * 60_000, "max_tokens": 1}).encode()
+    over = json.dumps({"prompt": "x" * 70_000, "max_tokens": 1}).encode()
+    url = edge_server.url + COMPLETIONS
+    fitting = httpx.post(url, content=gzip.compress(fits), headers=headers, timeout=30)
+    assert fitting.status_code != 413, fitting.text  # (a 400: longer than this model's context)
+    answer = httpx.post(url, content=gzip.compress(over), headers=headers, timeout=30)
+    assert answer.status_code == 413
+    assert _assert_openai_error(answer.content)["code"] == "request_too_large"
+    unsupported = httpx.post(url, content=b"x", headers={**headers, "Content-Encoding": "zstd"})
+    assert unsupported.status_code == 415
+    assert _assert_openai_error(unsupported.content)["code"] == "unsupported_content_encoding"
 
 
 # ----------------------------------------------------------------------------- slow clients

@@ -22,8 +22,8 @@ from test_engine import (
 from engine import AsyncEngine, EngineConfig, SamplingParams, load_pair
 from engine.bundled.pair import bundled_paths
 from engine.bundled.workloads import load_workloads
-from engine.step.kv_cache import RaggedKVCache
 from engine.models.loading import load_target_model
+from engine.step.kv_cache import RaggedKVCache
 from scheduler.sources import DFLASH, LOOKUP, DraftOptions
 
 TARGET, DRAFTER = bundled_paths()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.backend import process_tuning
 from engine.async_engine import AsyncEngine
+from engine.backend import process_tuning
 from engine.bundled.pair import bundled_paths
 from engine.config import EngineConfig
 

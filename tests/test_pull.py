@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from engine.cli import main
-from engine.models.loading import load_target_model
 from engine.models import pull as pull_module
 from engine.models import registry
+from engine.models.loading import load_target_model
 from engine.models.pull import PullError, pull
 from engine.models.registry import ModelEntry, WheelGGUF
 

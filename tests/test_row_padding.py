@@ -5,12 +5,12 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from engine.step import row_padding
 from engine.async_engine import AsyncEngine
 from engine.bundled.pair import bundled_paths
 from engine.config import EngineConfig
-from engine.step.kv_cache import RaggedKVCache
 from engine.models.loading import load_pair, load_target_model
+from engine.step import row_padding
+from engine.step.kv_cache import RaggedKVCache
 from engine.step.packed import PackedLayout
 from engine.step.row_padding import RowPadding
 from tests.test_engine import plain_greedy, random_requests, run_all

@@ -8,7 +8,13 @@ import mlx.core as mx
 import pytest
 
 from engine import InvalidRequest, SamplingParams
-from engine.step.sampling import draw_uniforms, filtered_logprobs, request_stream, sample, sample_rows
+from engine.step.sampling import (
+    draw_uniforms,
+    filtered_logprobs,
+    request_stream,
+    sample,
+    sample_rows,
+)
 
 
 @pytest.mark.parametrize(

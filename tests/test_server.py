@@ -17,6 +17,7 @@ import httpx
 import mlx.core as mx
 import openai
 import pytest
+from factories import PROMTOOL_ABSENT
 from mlx_lm.generate import generate_step
 
 from engine.models.loading import load_target_model
@@ -29,18 +30,23 @@ def _free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, target: Path, drafter: Path | None, *extra: str, env: dict | None = None):
+    """`flashbatch serve` on a free loopback port (target None: the default model)."""
+
+    def __init__(self, target: Path | None, drafter: Path | None, *extra: str,
+                 env: dict | None = None, ready_timeout: float = 60.0):  # fmt: skip
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "engine.cli", "serve", "--target", str(target),
-                   "--port", str(self.port), "--log-level", "warning", *extra]  # fmt: skip
+        command = [sys.executable, "-m", "engine.cli", "serve", "--port", str(self.port),
+                   "--log-level", "warning", *extra]  # fmt: skip
+        if target is not None:
+            command += ["--target", str(target)]
         if drafter is not None:
             command += ["--drafter", str(drafter)]
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"server-{self.port}.log", "w+")
         self.process = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
             try:
                 if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
@@ -231,7 +237,7 @@ def test_draft_sources_flag_serves_lookup_alone(qwen3_target_dir, drafter_dir):
         s.stop()
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian: prometheus) absent")
+@pytest.mark.skipif(shutil.which("promtool") is None, reason=PROMTOOL_ABSENT)
 def test_promtool_accepts_the_exposition(server):
     text = httpx.get(server.url + "/metrics").text
     result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,

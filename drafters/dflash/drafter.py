@@ -11,7 +11,8 @@ Session rules (after Ollama's DFlash draft session):
   join (the old rule, a flush at 256 pending rows) cost the adaptive engine 23% more CPU
   than drafting off and 16% of its throughput; waiting costs neither;
 - a step's rows arrive together (`commit_step`): the step's feature array is journalled
-  once for all sessions (`engine.step.feature_journal.FeatureJournal`), and every `MERGE_EVERY` steps, or
+  once for all sessions (`engine.step.feature_journal.FeatureJournal`), and every
+  `MERGE_EVERY` steps, or
   when a session's rows are needed, each session's journalled rows are gathered into one
   array of its own (a memory copy, no forward; one op per session per 64 steps, not one per
   step). Only past `flush_cap` rows (a long request that never drafts) are they written by

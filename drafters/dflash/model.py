@@ -126,8 +126,8 @@ class DFlashDraftModel(nn.Module):
         return [RaggedKVCache(batch_size) for _ in self.layers]
 
     def use_cpu_kernels(self) -> None:
-        """Attention and SwiGLU on `engine.backend.cpu_kernels` (inference on the CPU backend; training
-        keeps MLX's, which it differentiates)."""
+        """Attention and SwiGLU on `engine.backend.cpu_kernels` (inference on the CPU backend;
+        training keeps MLX's, which it differentiates)."""
         for layer in self.layers:
             layer.self_attn.cpu_kernels = layer.mlp.cpu_kernels = True
 

@@ -21,7 +21,8 @@ All three are measured on the 2-core Linux machine (bundled pair; README "Proces
   Python objects (modules, parameters, the tokenizer's tables) that live as long as it does.
   Python's full collection walks every one of them: at 32 clients on the bundled pair one ran
   every 5-15 seconds and stopped the event loop for 42-75 ms, two steps' worth of time for
-  every stream at once. Once an engine has loaded, `freeze_loaded` collects what garbage there is and
+  every stream at once. Once an engine has loaded, `freeze_loaded` collects what garbage there
+  is and
   moves every object alive into the collector's permanent generation (`gc.freeze`, as SGLang
   and vLLM do after start-up), so later collections walk only what serving creates. When the
   last engine that froze shuts down the objects are handed back (`gc.unfreeze`), so a model

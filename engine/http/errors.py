@@ -19,8 +19,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.http import openai_api as api
 from engine.errors import EngineClosed, EngineOverloaded, FlashbatchError, InvalidRequest
+from engine.http import openai_api as api
 
 log = logging.getLogger("flashbatch.server")
 
@@ -77,7 +77,9 @@ def to_http_error(exc: Exception, request: Request | None = None) -> HTTPError:
 
 
 def _routing_error(exc: HTTPException, request: Request | None) -> HTTPError:
-    where = f"{request.method} {request.url.path}" if request is not None else "this request"
+    where = "this request"
+    if request is not None:
+        where = f"{request.method} {path_as_sent(request.scope)}"
     headers = dict(exc.headers or {})
     if exc.status_code == 404:
         return HTTPError(404, f"Invalid URL ({where})", "not_found_error", headers=headers)
@@ -92,6 +94,14 @@ def _routing_error(exc: HTTPException, request: Request | None) -> HTTPError:
         )
     kind = "internal_error" if exc.status_code >= 500 else "invalid_request_error"
     return HTTPError(exc.status_code, str(exc.detail), kind, headers=headers)
+
+
+def path_as_sent(scope: Scope) -> str:
+    """The request target's path as the client wrote it (percent-encoding kept), not
+    Starlette's `request.url.path`, which is re-parsed from a URL rebuilt with the client's
+    Host header (a path such as `//v1/completions` then depends on what that header holds)."""
+    raw = scope.get("raw_path")
+    return raw.decode("latin-1") if isinstance(raw, bytes) else scope["path"]
 
 
 async def planned_error(request: Request, exc: Exception) -> Response:

@@ -7,10 +7,14 @@ and sends half a request (or a body that never ends) holds it for as long as it 
   of the previous response on a kept-alive connection), else the connection is closed;
 - its body must arrive within `read_timeout` seconds after the headers, else a 408 answers it
   and the connection is closed;
-- at most `max_connections` connections are open; one more is closed as soon as it is accepted.
+- at most `max_connections` connections are open; one more is closed as soon as it is accepted;
+- a connection closed while the client is still sending its body lingers (`engine/http/linger.py`)
+  so that the client reads the answer (a 413, say) rather than a connection reset.
 
 A request the HTTP parser rejects gets uvicorn's 400, in OpenAI's error shape, and its
-connection closes. Each close is counted (`flashbatch_http_connections_closed_by_server_total`
+connection closes. So does one with both `Transfer-Encoding` and `Content-Length` (RFC 9112
+§6.1: h11 would read it as chunked and keep the connection, which is how request smuggling
+behind a proxy starts). Each close is counted (`flashbatch_http_connections_closed_by_server_total`
 by reason), not logged: a client must not be able to flood the log.
 """
 
@@ -27,6 +31,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.http import openai_api as api
 from engine.http.errors import HTTPError
+from engine.http.linger import LINGER_BYTES, LINGER_IDLE_SECONDS, LINGER_SECONDS, LingeringTransport
 
 
 class RequestReadTimeout(HTTPError):
@@ -41,9 +46,13 @@ class RequestReadTimeout(HTTPError):
 
 
 def guarded_protocol(
-    read_timeout: float, max_connections: int, on_close: Callable[[str], None]
+    read_timeout: float,
+    max_connections: int,
+    on_close: Callable[[str], None],
+    linger: tuple[int, float, float] = (LINGER_BYTES, LINGER_SECONDS, LINGER_IDLE_SECONDS),
 ) -> type[asyncio.Protocol]:
-    """uvicorn's h11 protocol with these bounds; `on_close(reason)` counts the closes."""
+    """uvicorn's h11 protocol with these bounds; `on_close(reason)` counts the closes;
+    `linger` bounds a lingering close (bytes, total seconds, idle seconds)."""
 
     class GuardedH11Protocol(H11Protocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -55,7 +64,9 @@ def guarded_protocol(
 
         # --- connection count and header deadline
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            self._linger = LingeringTransport(transport, self.loop, self._client_still_sending,
+                                              *linger)  # fmt: skip
+            super().connection_made(self._linger)  # type: ignore[arg-type]
             if len(self.connections) > max_connections:
                 on_close("connection_limit")
                 transport.close()
@@ -64,7 +75,23 @@ def guarded_protocol(
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_header_timer()
+            if self._linger.lingering:
+                self._linger.close_now()
             super().connection_lost(exc)
+
+        # --- lingering close
+        def _client_still_sending(self) -> bool:
+            return self.conn.their_state is h11.SEND_BODY
+
+        def data_received(self, data: bytes) -> None:
+            if self._linger.lingering:
+                self._linger.discard(data)  # the answer is out; the rest is dropped unparsed
+                return
+            super().data_received(data)
+
+        def eof_received(self) -> None:
+            if self._linger.lingering:
+                self._linger.close_now()  # the client has sent everything: close cleanly
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -74,8 +101,11 @@ def guarded_protocol(
         def shutdown(self) -> None:
             # A request whose body is still arriving was never taken on: close it now rather
             # than let uvicorn's graceful timeout cancel it (an ERROR line) later.
+            if self._linger.lingering:
+                self._linger.close_now()
+                return
             if self._reading_body and not self.transport.is_closing():
-                self.transport.close()
+                self._linger.close_now()
                 return
             super().shutdown()
 
@@ -97,6 +127,10 @@ def guarded_protocol(
         # --- body deadline
         async def _app_with_body_deadline(self, scope: Any, receive: Any, send: Any) -> None:
             self._disarm_header_timer()  # the headers are in
+            if _ambiguous_framing(scope["headers"]):
+                on_close("malformed_request")
+                await _send_framing_400(send)
+                return
             deadline = anyio.current_time() + read_timeout
             # True while part of the body is still on its way (not for a body already in).
             self._reading_body = self.cycle is not None and self.cycle.more_body
@@ -136,3 +170,21 @@ def guarded_protocol(
             self.transport.close()
 
     return GuardedH11Protocol
+
+
+def _ambiguous_framing(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Both Transfer-Encoding and Content-Length (RFC 9112 §6.1: "ought to be handled as an
+    error"; a server that reads it one way behind a proxy that reads it the other is open to
+    request smuggling)."""
+    names = {name for name, _ in headers}
+    return b"transfer-encoding" in names and b"content-length" in names
+
+
+async def _send_framing_400(send: Any) -> None:
+    message = ("invalid HTTP request: both Transfer-Encoding and Content-Length are set "
+               "(RFC 9112 section 6.1); the connection closes")  # fmt: skip
+    body = msgspec.json.encode(api.error_body(message, "invalid_request_error"))
+    headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+               (b"content-length", str(len(body)).encode())]  # fmt: skip
+    await send({"type": "http.response.start", "status": 400, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -5,7 +5,9 @@ GET /ready (503 while loading or draining), GET /metrics (Prometheus).
 
 Every non-2xx answer is OpenAI's nested body `{"error": {message, type, param, code}}`
 (`engine/http/errors.py`): 400 validation and context overflow, 401 bad or missing API key,
-404 unknown model or path, 405 wrong method, 408 body too slow, 413 body too large, 429 with
+404 unknown model or path (no slash redirects), 405 wrong method, 408 body too slow, 413 body
+too large (`Content-Encoding` gzip and deflate are decoded within the same limit; any other
+is 415; `engine/http/body.py`), 429 with
 Retry-After when the engine's queue is full, 503 while loading or draining. A client disconnect
 aborts its request in the engine and is counted, not logged. Slow and surplus connections are
 bounded in `engine/http/guard.py`. SIGTERM/SIGINT: readiness turns 503 and new requests get 503
@@ -34,9 +36,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.http import openai_api as api
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineClosed, InvalidRequest
+from engine.http import openai_api as api
+from engine.http.body import check_encoding, read_limited, too_large
 from engine.http.errors import ErrorBoundary, HTTPError, exception_handlers, json_response
 from engine.http.guard import guarded_protocol
 from engine.http.logs import install_http_log_filters
@@ -81,8 +84,13 @@ class FlashbatchServer:
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
-        return Starlette(routes=routes, lifespan=self._lifespan,
-                         exception_handlers=exception_handlers())  # fmt: skip
+        app = Starlette(routes=routes, lifespan=self._lifespan,
+                        exception_handlers=exception_handlers())  # fmt: skip
+        # No slash redirects: Starlette builds their Location from the Host header, which the
+        # client controls, and answers with an empty body. `/v1/completions/` is a 404 with
+        # OpenAI's error body, as OpenAI's own API answers it.
+        app.router.redirect_slashes = False
+        return app
 
     def asgi(self) -> ErrorBoundary:
         """What uvicorn serves: the app inside the boundary that nothing escapes."""
@@ -304,29 +312,24 @@ class FlashbatchServer:
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
-        # The rest of the body stays unread: close the connection after answering.
-        too_large = HTTPError(413, f"request body exceeds {limit} bytes", "invalid_request_error",
-                              code="request_too_large",
-                              headers={"Connection": "close"})  # fmt: skip
+        coding = check_encoding(request.headers.get("content-encoding"))
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise too_large
-        chunks, size = [], 0
+            raise too_large(limit)
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_large
-                chunks.append(chunk)
+            return await read_limited(request.stream(), coding, limit)
         except ClientDisconnect:  # hung up mid-body: normal at an edge, counted, not logged
             self.http_metrics.on_disconnect("upload")
             raise _client_left("sending the body") from None
-        return b"".join(chunks)
 
     def _check_model(self, model: str | None) -> None:
         if model not in (None, "", self.engine.model_name):
             served = self.engine.model_name
-            message = f"the model {model!r} does not exist; this server serves {served!r}"
+            # One model, one name: any other is refused by name, never silently served.
+            message = (
+                f"the model {model!r} does not exist; this server serves {served!r} "
+                "(GET /v1/models lists it; send that name or leave `model` out)"
+            )
             raise HTTPError(404, message, "not_found_error", code="model_not_found", param="model")
 
 

@@ -11,8 +11,8 @@ import mlx.nn as nn
 from drafters.dflash.checkpoint import load_drafter, read_config
 from drafters.dflash.config import validate_pairing
 from drafters.dflash.drafter import DFlashDrafter
-from engine.models.gguf_dtype import converted_gguf_dtype
 from engine.backend.platform import compute_dtype
+from engine.models.gguf_dtype import converted_gguf_dtype
 from engine.step.stopping import eos_ids_of
 from engine.step.target import TargetAdapter, target_shape
 

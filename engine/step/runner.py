@@ -37,8 +37,8 @@ import mlx.core as mx
 
 from drafters.base import Drafter, DraftSession
 from drafters.lookup import LookupDrafter, LookupSession
-from engine.step import logprobs as token_logprobs
 from engine.backend.blas_threads import blas_threads
+from engine.step import logprobs as token_logprobs
 from engine.step.feature_journal import FeatureJournal
 from engine.step.kv_cache import RaggedKVCache
 from engine.step.packed import PackedLayout, PrefillSegment

@@ -102,6 +102,9 @@ class _Decode:
     sources: list[str | None] = field(default_factory=list)  # per row (None: no drafts)
     lookup_rows: int = 0
     logprobs: token_logprobs.LazyLogprobs | None = None  # rows that asked for them
+    # Each row's sampler draws before this forward sampled (a drafting step rewinds them to
+    # these + the positions it committed: see `ModelRunner._commit`).
+    draws_before: list[int] = field(default_factory=list)
 
     # Packed verify: where row b's verify position i lies in the packed logits/features
     # (`layout.index(b, i)`); None when the forward was padded to `width + 1` per row.
@@ -581,6 +584,7 @@ class ModelRunner:
         finally:
             for layer_cache in self._states:
                 layer_cache.recording = False
+        draws_before = [s.draws for s in states]
         targets = self._sample_rows(logits, states)
         if width:
             accepted = _accepted(drafts, targets, depths)
@@ -591,7 +595,8 @@ class ModelRunner:
             for layer_cache in self._states:
                 replay(layer_cache, keep)
         decode = _Decode(depths, width, targets, accepted, features, len(drafting),
-                         context_rows, sources, len(lookup_drafts))  # fmt: skip
+                         context_rows, sources, len(lookup_drafts),
+                         draws_before=draws_before)  # fmt: skip
         asking = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         if asking:  # only rows that asked pay for the log-softmax
             index = mx.array(asking, dtype=mx.int32)
@@ -625,6 +630,7 @@ class ModelRunner:
         self._segment_outputs(segments, layout.total, logits, features)
         logits = logits[: layout.total] if segments else logits
         # Each row samples only its own positions, with its own sampler and random stream.
+        draws_before = [s.draws for s in states]
         packed_targets = sample_rows(
             logits, [s.params for s in states], [s.random for s in states], layout.widths
         )
@@ -634,7 +640,8 @@ class ModelRunner:
             accepted = mx.zeros((B,), dtype=mx.int32)
         else:
             accepted = _accepted(drafts, targets, depths)
-        decode = _Decode(depths, width, targets, accepted, features, 0, layout=layout)
+        decode = _Decode(depths, width, targets, accepted, features, 0, layout=layout,
+                         draws_before=draws_before)  # fmt: skip
         asking = [b for b, s in enumerate(states) if s.params.logprobs is not None]
         if asking:  # their positions, padded like `targets` (the padding is never committed)
             index = mx.array(layout.padded_index(asking, 0, width + 1), dtype=mx.int32)
@@ -723,6 +730,10 @@ class ModelRunner:
             if logging:  # kept even for a row that does not draft with DFlash: a later hit may
                 log_blocks.append((state, start, a + 1))
             state.anchor = committed[-1]
+            if decode.width:
+                # Uniforms are indexed by output position: the draws of rejected positions
+                # go back, so a seeded request samples the same tokens at every depth.
+                state.give_back(decode.draws_before[i] + a + 1)
             if state.lookup is not None:
                 self.lookup.commit(state.lookup, None, cached)
                 if source == LOOKUP:

@@ -80,9 +80,11 @@ def family_config(model_type: str, vocab_size: int, **overrides) -> dict:
 
 
 def build_target(directory: Path, tokenizer_dir: Path, model_type: str, seed: int,
-                 config: dict | None = None) -> Path:  # fmt: skip
+                 config: dict | None = None, embed_scale: float = 3.0,
+                 output_scale: float = 1.0) -> Path:  # fmt: skip
     """A random-weight float32 mlx-lm model of `model_type` (the `target_config`, or
-    `config`), saved with the tokenizer."""
+    `config`), saved with the tokenizer. `output_scale` multiplies the layers' output
+    projections: a tied random model (LFM2 has no untied head) otherwise repeats one token."""
     directory.mkdir(parents=True, exist_ok=True)
     vocab = len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
     config = target_config(model_type, vocab) if config is None else dict(config)
@@ -91,7 +93,13 @@ def build_target(directory: Path, tokenizer_dir: Path, model_type: str, seed: in
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     # Larger embeddings make random models write varied (less repetitive) sequences.
-    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 3.0
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight * embed_scale
+    if output_scale != 1.0:
+        from mlx.utils import tree_flatten, tree_unflatten
+
+        scaled = [(k, v * output_scale) for k, v in tree_flatten(model.parameters())
+                  if k.endswith(("out_proj.weight", "w2.weight", "down_proj.weight"))]  # fmt: skip
+        model.update(tree_unflatten(scaled))
     mx.eval(model.parameters())
     save_model(directory, model)
     save_config(config, directory / "config.json")

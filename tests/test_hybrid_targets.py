@@ -1,0 +1,295 @@
+"""Hybrid-attention targets (recurrent-state layers beside attention) in the batched engine.
+
+Tiny random mlx-lm models built from each family's own `ModelArgs`: Qwen3.5 (GatedDeltaNet
+with full attention every 2nd or 4th layer), its MoE variant, and LFM2 (short convolutions).
+Greedy output equals plain mlx-lm decoding at concurrency 1 and 8, with drafting off, with
+lookup drafts (long accepted runs, partial rejections) and with a random DFlash drafter
+(mostly rejected) at fixed depths; rows join and leave mid-run and chunked prefill splits the
+prompts. Each state layer's rollback is checked exactly against a cache that never saw the
+rejected positions."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import factories
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from test_engine import ScriptedEngine, check_invariants, plain_greedy, run_all, wait_idle
+
+from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine.loading import load_target_model
+from engine.recurrent import replay
+from engine.state_cache import RaggedStateCache
+from engine.target import TargetAdapter
+
+FAMILIES = {
+    "qwen3_5-i2": ("qwen3_5", {"full_attention_interval": 2}, {}),
+    "qwen3_5-i4": ("qwen3_5", {"full_attention_interval": 4}, {}),
+    "qwen3_5_moe": ("qwen3_5_moe", {}, {}),
+    "lfm2": (
+        "lfm2",
+        {},
+        {"output_scale": 6.0, "embed_scale": 1.0},
+    ),  # tied: see `factories.build_target`
+}
+
+
+@pytest.fixture(scope="module")
+def hybrid_dirs(model_root: Path, tokenizer_dir: Path) -> dict[str, Path]:
+    dirs = {}
+    for seed, (name, (model_type, overrides, build)) in enumerate(FAMILIES.items()):
+        config = factories.family_config(model_type, 0, **overrides)
+        dirs[name] = factories.build_target(
+            model_root / f"hybrid-{name}", tokenizer_dir, model_type, 20 + seed, config, **build
+        )
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def hybrid_drafter_dir(model_root: Path, hybrid_dirs, vocab_size: int) -> Path:
+    """A random DFlash drafter in z-lab's layout for the 4-layer Qwen3.5 targets: it taps a
+    GatedDeltaNet layer (0 of interval 2's) and an attention layer (1)."""
+    config = factories.drafter_config(vocab_size, target_layer_ids=[0, 1], num_target_layers=4)
+    return factories.build_drafter(model_root / "hybrid-drafter", config, seed=31)
+
+
+@pytest.fixture(scope="module")
+def references(hybrid_dirs):
+    """Plain mlx-lm greedy continuations, computed once per (family, prompt, length)."""
+    models: dict[str, object] = {}
+    memo: dict[tuple, list[int]] = {}
+
+    def reference(name: str, prompt: list[int], n: int) -> list[int]:
+        if name not in models:
+            models[name] = load_target_model(hybrid_dirs[name])[0]
+        key = (name, tuple(prompt), n)
+        if key not in memo:
+            memo[key] = plain_greedy(models[name], prompt, n)
+        return memo[key]
+
+    return reference
+
+
+def _prompts(vocab: int, n: int) -> list[list[int]]:
+    """Repetitive prompts (lookup finds matches) of different lengths (9 to 24 tokens)."""
+    out = []
+    for i in range(n):
+        unit = [3 + (i * 37 + 11 * j) % (vocab - 3) for j in range(3 + i % 4)]
+        out.append((unit * 8)[: 9 + (5 * i) % 16])
+    return out
+
+
+def _requests(vocab: int, depth_of) -> list[tuple]:
+    """Eight requests arriving over the run (rows join while others decode and leave)."""
+    prompts = _prompts(vocab, 8)
+    return [
+        (f"r{i}", p, 10 + (7 * i) % 9, depth_of(i), 0.01 * (i % 4)) for i, p in enumerate(prompts)
+    ]
+
+
+async def _run(config: EngineConfig, requests, **params):
+    async with AsyncEngine(config) as engine:
+        failures = check_invariants(engine)
+        verify = []
+        engine.step_hooks.append(lambda r: verify.append(r.verify_tokens))
+        results = await run_all(engine, requests, **params)
+        await wait_idle(engine)
+        assert engine.kv_bytes() == 0 and not engine._runner.states
+        packed = engine._runner.packed
+    assert not failures, failures[:5]
+    assert packed is None  # hybrid rows verify padded
+    return results
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("concurrency", [1, 8])
+async def test_greedy_equals_mlx_lm_drafting_off_and_lookup(
+    name, concurrency, hybrid_dirs, references, vocab_size
+):
+    """Half the rows never draft, half draft by prompt lookup (depth 4) where their text
+    matches (random targets leave the prompts' pattern soon: the scripted test below makes
+    the long accepted runs); chunks of 8 split the longer prompts."""
+    requests = _requests(vocab_size, lambda i: 0 if i % 2 else 4)
+    config = EngineConfig(target=str(hybrid_dirs[name]), max_num_seqs=concurrency,
+                          num_speculative_tokens=4, prefill_chunk_tokens=8)  # fmt: skip
+    results = await _run(config, requests)
+    for (rid, prompt, n, _, _), (tokens, _) in zip(requests, results):
+        assert tokens == references(name, prompt, n), (name, rid)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+async def test_greedy_equals_mlx_lm_with_partly_accepted_drafts(
+    name, hybrid_dirs, references, vocab_size
+):
+    """Random targets rarely repeat themselves, so a scripted drafter (it knows each
+    request's greedy continuation and spoils it after 7, 2, 0, 5, 1 tokens in turn) makes rows
+    keep different numbers of verify positions in the same step: every state layer's replay
+    runs with per-row lengths from 1 to the whole width."""
+    requests = _requests(vocab_size, lambda i: 7)
+    expected = [p + references(name, p, n) for _, p, n, _, _ in requests]
+    config = EngineConfig(target=str(hybrid_dirs[name]), max_num_seqs=8,
+                          num_speculative_tokens=7, prefill_chunk_tokens=8)  # fmt: skip
+    engine = ScriptedEngine(config, expected, vocab_size, [7, 2, 0, 5, 1])
+    async with engine:
+        failures = check_invariants(engine)
+        results = await run_all(engine, requests)
+        await wait_idle(engine)
+        assert engine.kv_bytes() == 0
+        assert engine._runner.packed is None
+    assert not failures, failures[:5]
+    accepted = 0
+    for reference, (rid, prompt, _, _, _), (tokens, last) in zip(expected, requests, results):
+        assert tokens == reference[len(prompt) :], (name, rid)
+        accepted += last.accepted_tokens
+    assert accepted > 20, accepted
+
+
+@pytest.mark.parametrize("depth", [1, 3, 7])
+@pytest.mark.parametrize("concurrency", [1, 8])
+async def test_greedy_equals_mlx_lm_with_a_random_dflash_drafter(
+    depth, concurrency, hybrid_dirs, hybrid_drafter_dir, references, vocab_size
+):
+    name = "qwen3_5-i2"
+    requests = _requests(vocab_size, lambda i: depth)
+    config = EngineConfig(target=str(hybrid_dirs[name]), drafter=str(hybrid_drafter_dir),
+                          draft_sources=["dflash"], max_num_seqs=concurrency,
+                          num_speculative_tokens=depth, prefill_chunk_tokens=8)  # fmt: skip
+    results = await _run(config, requests)
+    for (rid, prompt, n, _, _), (tokens, last) in zip(requests, results):
+        assert tokens == references(name, prompt, n), (rid, depth)
+    assert sum(last.drafted_tokens for _, last in results) > 0
+
+
+async def test_moe_hybrid_with_a_random_dflash_drafter(
+    hybrid_dirs, hybrid_drafter_dir, references, vocab_size
+):
+    name = "qwen3_5_moe"
+    requests = _requests(vocab_size, lambda i: 3)
+    config = EngineConfig(target=str(hybrid_dirs[name]), drafter=str(hybrid_drafter_dir),
+                          draft_sources=["dflash"], max_num_seqs=8,
+                          num_speculative_tokens=3, prefill_chunk_tokens=8)  # fmt: skip
+    results = await _run(config, requests)
+    for (rid, prompt, n, _, _), (tokens, _) in zip(requests, results):
+        assert tokens == references(name, prompt, n), rid
+
+
+async def test_seeded_sampling_is_the_same_at_every_depth(
+    hybrid_dirs, hybrid_drafter_dir, vocab_size
+):
+    """Uniforms are indexed by output position and a rejected position's go back, so a seeded
+    request samples the same tokens whatever its drafts were."""
+    requests = _requests(vocab_size, lambda i: 0)
+    outputs = {}
+    for depth in (0, 1, 3, 7):
+        config = EngineConfig(target=str(hybrid_dirs["qwen3_5-i2"]),
+                              drafter=str(hybrid_drafter_dir), max_num_seqs=8,
+                              num_speculative_tokens=depth, prefill_chunk_tokens=8)  # fmt: skip
+        results = await _run(config, [r[:3] + (depth,) + r[4:] for r in requests],
+                             temperature=1.0, seed=5)  # fmt: skip
+        outputs[depth] = [tokens for tokens, _ in results]
+    assert outputs[0] == outputs[1] == outputs[3] == outputs[7]
+    assert len({tuple(t) for t in outputs[0]}) > 1
+
+
+async def test_prefix_cache_hit_equals_cold_start_and_partial_match_is_a_miss(
+    hybrid_dirs, references, vocab_size
+):
+    """A follow-up prompt (earlier prompt + answer + more) reuses the whole entry; a prompt
+    sharing only part of an entry prefills cold (a state exists only at the entry's end)."""
+    name = "qwen3_5-i2"
+    first = _prompts(vocab_size, 1)[0]
+    config = EngineConfig(target=str(hybrid_dirs[name]), max_num_seqs=4,
+                          num_speculative_tokens=4, prefix_cache_bytes=8 << 20)  # fmt: skip
+    async with AsyncEngine(config) as engine:
+        failures = check_invariants(engine)
+        ((answer, _),) = await run_all(engine, [("a", first, 9, 4, 0)])
+        follow_up = first + answer + [7, 8, 9]
+        partial = first[:-2] + [11, 12, 13]
+        (hit, hit_last), (miss, miss_last) = await run_all(
+            engine, [("b", follow_up, 10, 4, 0), ("c", partial, 10, 4, 0.05)]
+        )
+        await wait_idle(engine)
+        assert engine.kv_bytes() == 0
+    assert not failures, failures[:5]
+    assert answer == references(name, first, 9)
+    # The row's cache held the prompt and the answer but its newest token.
+    assert hit_last.cached_tokens == len(first) + len(answer) - 1
+    assert hit == references(name, follow_up, 10)
+    assert miss_last.cached_tokens == 0
+    assert miss == references(name, partial, 10)
+
+
+async def test_an_abort_leaks_nothing(hybrid_dirs, vocab_size):
+    config = EngineConfig(target=str(hybrid_dirs["qwen3_5-i4"]), max_num_seqs=4,
+                          num_speculative_tokens=4, prefill_chunk_tokens=8)  # fmt: skip
+    async with AsyncEngine(config) as engine:
+        streams = [
+            engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True), f"x{i}")
+            for i, p in enumerate(_prompts(vocab_size, 6))
+        ]
+        await asyncio.sleep(0.05)
+        for i in (0, 3, 5):
+            engine.abort(f"x{i}")
+        for _, stream in streams:
+            async with stream:
+                [o async for o in stream]
+        await wait_idle(engine)
+        assert engine.kv_bytes() == 0 and not engine._runner.states
+        assert all(c.batch_size == 0 for c in engine._runner.cache)
+
+
+async def test_state_bytes_count_in_memory_and_admission(hybrid_dirs):
+    """Per row, each GatedDeltaNet layer holds a conv window [kernel - 1, 2 * key_dim +
+    value_dim] and a state [value heads, dv, dk] (float32): computed here from the config."""
+    config = factories.family_config("qwen3_5", 0)
+    key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value_dim = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    conv = (config["linear_conv_kernel_dim"] - 1) * (2 * key_dim + value_dim)
+    state = config["linear_num_value_heads"] * config["linear_value_head_dim"] ** 2
+    linear_layers = 2  # 4 layers, full attention every 2nd
+    per_row = linear_layers * (conv + state) * 4
+    attention_layers = 2
+    per_token = attention_layers * 2 * config["num_key_value_heads"] * config["head_dim"] * 4
+    engine_config = EngineConfig(target=str(hybrid_dirs["qwen3_5-i2"]), max_num_seqs=4,
+                                 num_speculative_tokens=0)  # fmt: skip
+    async with AsyncEngine(engine_config) as engine:
+        assert engine.scheduler.limits.bytes_per_row == per_row
+        assert engine.scheduler.limits.bytes_per_token == per_token
+        seen = []
+        engine.step_hooks.append(lambda r: seen.append((r.batch_size, r.kv_bytes)))
+        await run_all(engine, [(f"m{i}", [5, 6, 7, 8], 6, 0, 0) for i in range(3)])
+    rows, kv_bytes = max(seen)
+    assert rows == 3 and kv_bytes >= 3 * per_row
+
+
+def test_rollback_replay_equals_a_cache_that_never_saw_the_rejected_positions(hybrid_dirs):
+    """Two rows verify 4 positions; row 0 keeps 2, row 1 keeps 4 (all): each state layer's
+    replayed state, and the next step's logits, equal mlx-lm's on the kept tokens alone."""
+    model, _ = load_target_model(hybrid_dirs["qwen3_5-i4"])
+    target = TargetAdapter(model, [])
+    prompts, verify, keep = [[5, 9, 11, 7, 5, 9], [8, 3, 3, 30, 2, 4]], [[8, 20, 21, 22], [6, 1, 2, 3]], [2, 4]  # fmt: skip
+    cache = target.new_cache(2)
+    target(mx.array(prompts), cache)
+    states = [c for c in cache if isinstance(c, RaggedStateCache)]
+    for c in states:
+        c.recording = True
+    target(mx.array(verify), cache)
+    for c in states:
+        c.recording = False
+        replay(c, mx.array(keep))
+    for c in cache:
+        if not isinstance(c, RaggedStateCache):
+            c.trim_rows([4 - k for k in keep])
+    logits, _ = target(mx.array([[40], [41]]), cache)
+    for row in range(2):
+        reference = make_prompt_cache(model)
+        model(mx.array([prompts[row] + verify[row][: keep[row]]]), cache=reference)
+        expected = model(mx.array([[40 + row]]), cache=reference)
+        assert mx.allclose(logits[row : row + 1], expected, atol=1e-5).item()
+        for ours, theirs in zip(cache, reference):
+            if isinstance(ours, RaggedStateCache):
+                for a, b in zip(ours.cache, theirs.cache):
+                    assert mx.allclose(a[row : row + 1], b, atol=1e-5).item()

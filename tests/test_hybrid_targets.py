@@ -23,24 +23,27 @@ from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.loading import load_target_model
 from engine.recurrent import replay
 from engine.state_cache import RaggedStateCache
-from engine.target import TargetAdapter
+from engine.target import TargetAdapter, UnsupportedTargetError
 
 FAMILIES = {
     "qwen3_5-i2": ("qwen3_5", {"full_attention_interval": 2}, {}),
     "qwen3_5-i4": ("qwen3_5", {"full_attention_interval": 4}, {}),
     "qwen3_5_moe": ("qwen3_5_moe", {}, {}),
-    "lfm2": (
-        "lfm2",
-        {},
-        {"output_scale": 6.0, "embed_scale": 1.0},
-    ),  # tied: see `factories.build_target`
+    # LFM2's head is tied: see `factories.build_target`.
+    "lfm2": ("lfm2", {}, {"output_scale": 6.0, "embed_scale": 1.0}),
+}
+# Attention-only families beyond llama/qwen: MoE, and gpt-oss (attention sinks, sliding
+# layers of window 8 beside full ones, MoE). They keep the ragged cache and O(1) trims.
+MOE = {
+    "qwen3_moe": ("qwen3_moe", {}, {}),
+    "gpt_oss": ("gpt_oss", {}, {}),
 }
 
 
 @pytest.fixture(scope="module")
-def hybrid_dirs(model_root: Path, tokenizer_dir: Path) -> dict[str, Path]:
+def family_dirs(model_root: Path, tokenizer_dir: Path) -> dict[str, Path]:
     dirs = {}
-    for seed, (name, (model_type, overrides, build)) in enumerate(FAMILIES.items()):
+    for seed, (name, (model_type, overrides, build)) in enumerate({**FAMILIES, **MOE}.items()):
         config = factories.family_config(model_type, 0, **overrides)
         dirs[name] = factories.build_target(
             model_root / f"hybrid-{name}", tokenizer_dir, model_type, 20 + seed, config, **build
@@ -49,7 +52,7 @@ def hybrid_dirs(model_root: Path, tokenizer_dir: Path) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def hybrid_drafter_dir(model_root: Path, hybrid_dirs, vocab_size: int) -> Path:
+def hybrid_drafter_dir(model_root: Path, family_dirs, vocab_size: int) -> Path:
     """A random DFlash drafter in z-lab's layout for the 4-layer Qwen3.5 targets: it taps a
     GatedDeltaNet layer (0 of interval 2's) and an attention layer (1)."""
     config = factories.drafter_config(vocab_size, target_layer_ids=[0, 1], num_target_layers=4)
@@ -57,14 +60,14 @@ def hybrid_drafter_dir(model_root: Path, hybrid_dirs, vocab_size: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def references(hybrid_dirs):
+def references(family_dirs):
     """Plain mlx-lm greedy continuations, computed once per (family, prompt, length)."""
     models: dict[str, object] = {}
     memo: dict[tuple, list[int]] = {}
 
     def reference(name: str, prompt: list[int], n: int) -> list[int]:
         if name not in models:
-            models[name] = load_target_model(hybrid_dirs[name])[0]
+            models[name] = load_target_model(family_dirs[name])[0]
         key = (name, tuple(prompt), n)
         if key not in memo:
             memo[key] = plain_greedy(models[name], prompt, n)
@@ -90,7 +93,7 @@ def _requests(vocab: int, depth_of) -> list[tuple]:
     ]
 
 
-async def _run(config: EngineConfig, requests, **params):
+async def _run(config: EngineConfig, requests, hybrid: bool = True, **params):
     async with AsyncEngine(config) as engine:
         failures = check_invariants(engine)
         verify = []
@@ -100,29 +103,30 @@ async def _run(config: EngineConfig, requests, **params):
         assert engine.kv_bytes() == 0 and not engine._runner.states
         packed = engine._runner.packed
     assert not failures, failures[:5]
-    assert packed is None  # hybrid rows verify padded
+    if hybrid:
+        assert packed is None  # hybrid rows verify padded
     return results
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 @pytest.mark.parametrize("concurrency", [1, 8])
 async def test_greedy_equals_mlx_lm_drafting_off_and_lookup(
-    name, concurrency, hybrid_dirs, references, vocab_size
+    name, concurrency, family_dirs, references, vocab_size
 ):
     """Half the rows never draft, half draft by prompt lookup (depth 4) where their text
     matches (random targets leave the prompts' pattern soon: the scripted test below makes
     the long accepted runs); chunks of 8 split the longer prompts."""
     requests = _requests(vocab_size, lambda i: 0 if i % 2 else 4)
-    config = EngineConfig(target=str(hybrid_dirs[name]), max_num_seqs=concurrency,
+    config = EngineConfig(target=str(family_dirs[name]), max_num_seqs=concurrency,
                           num_speculative_tokens=4, prefill_chunk_tokens=8)  # fmt: skip
     results = await _run(config, requests)
     for (rid, prompt, n, _, _), (tokens, _) in zip(requests, results):
         assert tokens == references(name, prompt, n), (name, rid)
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", [*FAMILIES, *MOE])
 async def test_greedy_equals_mlx_lm_with_partly_accepted_drafts(
-    name, hybrid_dirs, references, vocab_size
+    name, family_dirs, references, vocab_size
 ):
     """Random targets rarely repeat themselves, so a scripted drafter (it knows each
     request's greedy continuation and spoils it after 7, 2, 0, 5, 1 tokens in turn) makes rows
@@ -130,7 +134,7 @@ async def test_greedy_equals_mlx_lm_with_partly_accepted_drafts(
     runs with per-row lengths from 1 to the whole width."""
     requests = _requests(vocab_size, lambda i: 7)
     expected = [p + references(name, p, n) for _, p, n, _, _ in requests]
-    config = EngineConfig(target=str(hybrid_dirs[name]), max_num_seqs=8,
+    config = EngineConfig(target=str(family_dirs[name]), max_num_seqs=8,
                           num_speculative_tokens=7, prefill_chunk_tokens=8)  # fmt: skip
     engine = ScriptedEngine(config, expected, vocab_size, [7, 2, 0, 5, 1])
     async with engine:
@@ -138,7 +142,7 @@ async def test_greedy_equals_mlx_lm_with_partly_accepted_drafts(
         results = await run_all(engine, requests)
         await wait_idle(engine)
         assert engine.kv_bytes() == 0
-        assert engine._runner.packed is None
+        assert engine._runner.packed is None or name in MOE
     assert not failures, failures[:5]
     accepted = 0
     for reference, (rid, prompt, _, _, _), (tokens, last) in zip(expected, requests, results):
@@ -150,25 +154,25 @@ async def test_greedy_equals_mlx_lm_with_partly_accepted_drafts(
 @pytest.mark.parametrize("depth", [1, 3, 7])
 @pytest.mark.parametrize("concurrency", [1, 8])
 async def test_greedy_equals_mlx_lm_with_a_random_dflash_drafter(
-    depth, concurrency, hybrid_dirs, hybrid_drafter_dir, references, vocab_size
+    depth, concurrency, family_dirs, hybrid_drafter_dir, references, vocab_size
 ):
     name = "qwen3_5-i2"
     requests = _requests(vocab_size, lambda i: depth)
-    config = EngineConfig(target=str(hybrid_dirs[name]), drafter=str(hybrid_drafter_dir),
+    config = EngineConfig(target=str(family_dirs[name]), drafter=str(hybrid_drafter_dir),
                           draft_sources=["dflash"], max_num_seqs=concurrency,
                           num_speculative_tokens=depth, prefill_chunk_tokens=8)  # fmt: skip
     results = await _run(config, requests)
-    for (rid, prompt, n, _, _), (tokens, last) in zip(requests, results):
+    for (rid, prompt, n, _, _), (tokens, _) in zip(requests, results):
         assert tokens == references(name, prompt, n), (rid, depth)
     assert sum(last.drafted_tokens for _, last in results) > 0
 
 
 async def test_moe_hybrid_with_a_random_dflash_drafter(
-    hybrid_dirs, hybrid_drafter_dir, references, vocab_size
+    family_dirs, hybrid_drafter_dir, references, vocab_size
 ):
     name = "qwen3_5_moe"
     requests = _requests(vocab_size, lambda i: 3)
-    config = EngineConfig(target=str(hybrid_dirs[name]), drafter=str(hybrid_drafter_dir),
+    config = EngineConfig(target=str(family_dirs[name]), drafter=str(hybrid_drafter_dir),
                           draft_sources=["dflash"], max_num_seqs=8,
                           num_speculative_tokens=3, prefill_chunk_tokens=8)  # fmt: skip
     results = await _run(config, requests)
@@ -177,14 +181,14 @@ async def test_moe_hybrid_with_a_random_dflash_drafter(
 
 
 async def test_seeded_sampling_is_the_same_at_every_depth(
-    hybrid_dirs, hybrid_drafter_dir, vocab_size
+    family_dirs, hybrid_drafter_dir, vocab_size
 ):
     """Uniforms are indexed by output position and a rejected position's go back, so a seeded
     request samples the same tokens whatever its drafts were."""
     requests = _requests(vocab_size, lambda i: 0)
     outputs = {}
     for depth in (0, 1, 3, 7):
-        config = EngineConfig(target=str(hybrid_dirs["qwen3_5-i2"]),
+        config = EngineConfig(target=str(family_dirs["qwen3_5-i2"]),
                               drafter=str(hybrid_drafter_dir), max_num_seqs=8,
                               num_speculative_tokens=depth, prefill_chunk_tokens=8)  # fmt: skip
         results = await _run(config, [r[:3] + (depth,) + r[4:] for r in requests],
@@ -195,13 +199,13 @@ async def test_seeded_sampling_is_the_same_at_every_depth(
 
 
 async def test_prefix_cache_hit_equals_cold_start_and_partial_match_is_a_miss(
-    hybrid_dirs, references, vocab_size
+    family_dirs, references, vocab_size
 ):
     """A follow-up prompt (earlier prompt + answer + more) reuses the whole entry; a prompt
     sharing only part of an entry prefills cold (a state exists only at the entry's end)."""
     name = "qwen3_5-i2"
     first = _prompts(vocab_size, 1)[0]
-    config = EngineConfig(target=str(hybrid_dirs[name]), max_num_seqs=4,
+    config = EngineConfig(target=str(family_dirs[name]), max_num_seqs=4,
                           num_speculative_tokens=4, prefix_cache_bytes=8 << 20)  # fmt: skip
     async with AsyncEngine(config) as engine:
         failures = check_invariants(engine)
@@ -222,8 +226,8 @@ async def test_prefix_cache_hit_equals_cold_start_and_partial_match_is_a_miss(
     assert miss == references(name, partial, 10)
 
 
-async def test_an_abort_leaks_nothing(hybrid_dirs, vocab_size):
-    config = EngineConfig(target=str(hybrid_dirs["qwen3_5-i4"]), max_num_seqs=4,
+async def test_an_abort_leaks_nothing(family_dirs, vocab_size):
+    config = EngineConfig(target=str(family_dirs["qwen3_5-i4"]), max_num_seqs=4,
                           num_speculative_tokens=4, prefill_chunk_tokens=8)  # fmt: skip
     async with AsyncEngine(config) as engine:
         streams = [
@@ -241,7 +245,7 @@ async def test_an_abort_leaks_nothing(hybrid_dirs, vocab_size):
         assert all(c.batch_size == 0 for c in engine._runner.cache)
 
 
-async def test_state_bytes_count_in_memory_and_admission(hybrid_dirs):
+async def test_state_bytes_count_in_memory_and_admission(family_dirs):
     """Per row, each GatedDeltaNet layer holds a conv window [kernel - 1, 2 * key_dim +
     value_dim] and a state [value heads, dv, dk] (float32): computed here from the config."""
     config = factories.family_config("qwen3_5", 0)
@@ -253,7 +257,7 @@ async def test_state_bytes_count_in_memory_and_admission(hybrid_dirs):
     per_row = linear_layers * (conv + state) * 4
     attention_layers = 2
     per_token = attention_layers * 2 * config["num_key_value_heads"] * config["head_dim"] * 4
-    engine_config = EngineConfig(target=str(hybrid_dirs["qwen3_5-i2"]), max_num_seqs=4,
+    engine_config = EngineConfig(target=str(family_dirs["qwen3_5-i2"]), max_num_seqs=4,
                                  num_speculative_tokens=0)  # fmt: skip
     async with AsyncEngine(engine_config) as engine:
         assert engine.scheduler.limits.bytes_per_row == per_row
@@ -265,12 +269,13 @@ async def test_state_bytes_count_in_memory_and_admission(hybrid_dirs):
     assert rows == 3 and kv_bytes >= 3 * per_row
 
 
-def test_rollback_replay_equals_a_cache_that_never_saw_the_rejected_positions(hybrid_dirs):
+def test_rollback_replay_equals_a_cache_that_never_saw_the_rejected_positions(family_dirs):
     """Two rows verify 4 positions; row 0 keeps 2, row 1 keeps 4 (all): each state layer's
     replayed state, and the next step's logits, equal mlx-lm's on the kept tokens alone."""
-    model, _ = load_target_model(hybrid_dirs["qwen3_5-i4"])
+    model, _ = load_target_model(family_dirs["qwen3_5-i4"])
     target = TargetAdapter(model, [])
-    prompts, verify, keep = [[5, 9, 11, 7, 5, 9], [8, 3, 3, 30, 2, 4]], [[8, 20, 21, 22], [6, 1, 2, 3]], [2, 4]  # fmt: skip
+    prompts = [[5, 9, 11, 7, 5, 9], [8, 3, 3, 30, 2, 4]]
+    verify, keep = [[8, 20, 21, 22], [6, 1, 2, 3]], [2, 4]
     cache = target.new_cache(2)
     target(mx.array(prompts), cache)
     states = [c for c in cache if isinstance(c, RaggedStateCache)]
@@ -293,3 +298,63 @@ def test_rollback_replay_equals_a_cache_that_never_saw_the_rejected_positions(hy
             if isinstance(ours, RaggedStateCache):
                 for a, b in zip(ours.cache, theirs.cache):
                     assert mx.allclose(a[row : row + 1], b, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("name", list(MOE))
+async def test_moe_and_gpt_oss_equal_mlx_lm_drafting_off_lookup_and_dflash(
+    name, family_dirs, hybrid_drafter_dir, references, vocab_size
+):
+    """Prompts of 9-24 tokens against gpt-oss's window of 8; a random DFlash drafter (depth
+    3) on some rows, lookup or nothing on the others."""
+    requests = _requests(vocab_size, lambda i: (0, 3, 4)[i % 3])
+    sources = [None, ["dflash"], ["lookup"]]
+    config = EngineConfig(target=str(family_dirs[name]), drafter=str(hybrid_drafter_dir),
+                          max_num_seqs=8, num_speculative_tokens=4,
+                          prefill_chunk_tokens=8)  # fmt: skip
+    async with AsyncEngine(config) as engine:
+        failures = check_invariants(engine)
+
+        async def one(i, rid, prompt, n, depth, delay):
+            await asyncio.sleep(delay)
+            params = SamplingParams(max_tokens=n, ignore_eos=True, num_speculative_tokens=depth,
+                                    draft_sources=sources[i % 3])  # fmt: skip
+            tokens, last = [], None
+            async for out in engine.generate(prompt, params, request_id=rid):
+                tokens, last = tokens + out.token_ids, out
+            return tokens, last
+
+        results = await asyncio.gather(*[one(i, *r) for i, r in enumerate(requests)])
+        await wait_idle(engine)
+        assert engine.kv_bytes() == 0 and not engine._runner.states
+    assert not failures, failures[:5]
+    for (rid, prompt, n, _, _), (tokens, _) in zip(requests, results):
+        assert tokens == references(name, prompt, n), (name, rid)
+    assert sum(last.drafted_tokens for _, last in results) > 0
+
+
+def _tiny(model_type: str, **fields):
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    base = dict(model_type=model_type, vocab_size=64, hidden_size=32, intermediate_size=64,
+                max_position_embeddings=256, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, num_hidden_layers=2, rms_norm_eps=1e-6,
+                tie_word_embeddings=False)  # fmt: skip
+    return module.Model(module.ModelArgs.from_dict({**base, **fields}))
+
+
+@pytest.mark.parametrize("model_type", ["falcon_h1", "nemotron_h"])
+def test_unsupported_families_fail_at_load_with_their_name(model_type):
+    """Falcon-H1 keeps attention and Mamba in one layer (a `CacheList`); Nemotron-H has no
+    `model.layers` and fewer caches than blocks. Both are refused when the target is tapped
+    (what `load_pair` does), never mid-step."""
+    if model_type == "falcon_h1":
+        model = _tiny("falcon_h1", mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
+                      mamba_d_state=8, mamba_n_groups=1, mamba_d_conv=4)  # fmt: skip
+    else:
+        model = _tiny("nemotron_h", attention_bias=False, mamba_num_heads=4, mamba_head_dim=8,
+                      mamba_proj_bias=False, ssm_state_size=8, conv_kernel=4, n_groups=1,
+                      mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False,
+                      use_conv_bias=True, hybrid_override_pattern=["M", "*"])  # fmt: skip
+    with pytest.raises(UnsupportedTargetError, match=model_type):
+        TargetAdapter(model, [])

@@ -94,7 +94,7 @@ def test_layer_types_and_sliding_window_round_trip(sliding_drafter_dir):
     with pytest.raises(DrafterConfigError, match="sliding_window"):
         DFlashConfig.from_dict(dict(raw, sliding_window=None))
     with pytest.raises(DrafterConfigError, match="layer_types"):
-        DFlashConfig.from_dict(dict(raw, layer_types=["full_attention"]))
+        DFlashConfig.from_dict(dict(raw, layer_types=["sliding_attention"]))
 
 
 def test_sliding_drafts_equal_an_independent_reference_past_the_window(

@@ -121,7 +121,12 @@ class DFlashConfig:
             max_position_embeddings=int(pick("max_position_embeddings", 40960)),
             attention_bias=bool(pick("attention_bias", False)),
             model_type=str(raw.get("model_type", "qwen3")),
-            layer_types=None if layer_types is None else [str(t) for t in layer_types],
+            # All-full layer types say nothing (our own saves write them for every drafter).
+            layer_types=(
+                None
+                if layer_types is None or "sliding_attention" not in layer_types
+                else [str(t) for t in layer_types]
+            ),
             sliding_window=None if sliding_window is None else int(sliding_window),
             extra={k: v for k, v in raw.items() if k not in known},
         )

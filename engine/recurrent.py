@@ -6,11 +6,13 @@ after all ``1 + width`` positions cannot be undone, so each state layer's mixer 
 LFM2's short convolution, ...) records its input and the state before the verify, and the
 rollback *replays* the mixer on that input from the old state with mlx-lm's own right-padding
 mask (``lengths = accepted + 1``): the recurrence and the conv window stop at each row's last
-kept position. Only the mixer runs again (not the model), and lazily: the replayed states are
-computed in the step's one sync, and the mixer's unused output is never computed.
+kept position. Only the mixer runs again (not the model), over the longest kept span only
+(one position when every row rejected its first draft), not at all when every row kept the
+whole verify, and lazily: built at the commit (the accepted counts are on the host by then),
+computed with the next step's forward; the mixer's unused output is never computed.
 
-Replay beat keeping per-position states (the state after every verify position) in
-``bench/hybrid_rollback.py``; see the README's target-family table for the numbers.
+Replay against keeping per-position states (the state after every verify position):
+``bench/hybrid_rollback.py``; the numbers are in the README's target-family section.
 
 The replay is generic over mlx-lm mixers with the ``(x, mask, cache)`` call and `ArraysCache`
 protocol (`cache.lengths` picks the conv window's end, the mask stops the state update);
@@ -104,35 +106,22 @@ def install_recorders(layers: list[nn.Module], layout: list[int | None], family:
             mixer.__class__ = _recording_class(type(mixer))
 
 
-def replay(cache: RaggedStateCache, keep: mx.array) -> None:
+def replay(cache: RaggedStateCache, keep: list[int]) -> None:
     """Roll `cache` back to the state after each row's first ``keep[b]`` positions of the
-    recorded verify (lazy): the mixer again on its recorded input, from the state before."""
+    recorded verify (lazy): the mixer again on its recorded input, from the state before,
+    over the longest kept span only. When every row keeps the whole verify, the state it
+    left is already right and nothing runs."""
     if cache.recorded is None:
         raise RuntimeError("no recorded verify to roll back")
     mixer, x, _mask, before = cache.recorded
     cache.recorded = None
+    span = max(keep)
+    if span == x.shape[1] and min(keep) == span:
+        return
     scratch = ArraysCache(len(before))
     scratch.cache = list(before)
-    # A copy: mlx-lm's `advance` subtracts in place (`lengths -= n`), and every layer's
-    # replay reads the same `keep`.
-    scratch.lengths = mx.array(keep)
-    mixer(x, mask=scratch.make_mask(x.shape[1]), cache=scratch)
+    # mlx-lm's right padding: `lengths` ends each row's conv window and (as the mask) its
+    # state update. A fresh array: mlx-lm's `advance` subtracts from it in place.
+    scratch.lengths = mx.array(keep, dtype=mx.int32)
+    mixer(x[:, :span], mask=scratch.make_mask(span), cache=scratch)
     cache.cache = list(scratch.cache)
-
-
-def per_position_states(cache: RaggedStateCache, keep: list[int]) -> None:
-    """The alternative rollback, for `bench/hybrid_rollback.py` only: the mixer one position
-    at a time from the recorded state, row b keeping its state after ``keep[b]`` positions."""
-    mixer, x, _mask, before = cache.recorded
-    cache.recorded = None
-    scratch = ArraysCache(len(before))
-    scratch.cache = list(before)
-    states = []
-    for t in range(x.shape[1]):
-        mixer(x[:, t : t + 1], mask=None, cache=scratch)
-        states.append(list(scratch.cache))
-    rows = mx.arange(x.shape[0])
-    picked = mx.array([k - 1 for k in keep], dtype=mx.int32)
-    cache.cache = [
-        mx.stack([s[slot] for s in states], axis=1)[rows, picked] for slot in range(len(before))
-    ]

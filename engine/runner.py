@@ -590,10 +590,6 @@ class ModelRunner:
             accepted = _accepted(drafts, targets, depths)
         else:
             accepted = mx.zeros((len(states),), dtype=mx.int32)
-        if recording:  # each row's state after its own accepted + 1 positions (lazy)
-            keep = accepted + 1
-            for layer_cache in self._states:
-                replay(layer_cache, keep)
         decode = _Decode(depths, width, targets, accepted, features, len(drafting),
                          context_rows, sources, len(lookup_drafts),
                          draws_before=draws_before)  # fmt: skip
@@ -711,8 +707,12 @@ class ModelRunner:
         accepted = decode.accepted.tolist()
         logprobs = decode.logprobs.to_host() if decode.logprobs is not None else {}
         trims = decode.trims(accepted)
-        for layer_cache in self._kv:  # state layers were rolled back in the forward's graph
+        for layer_cache in self._kv:
             layer_cache.trim_rows(trims)
+        if decode.width and self._states:  # each row's state after its accepted + 1 positions
+            keep = [a + 1 for a in accepted]
+            for layer_cache in self._states:
+                replay(layer_cache, keep)
         # Features of the positions now in the cache, journalled whole, one block per row
         # (`engine.feature_journal`): for the rows' DFlash sessions and the prefix cache's log.
         logging = self.prefix_caching and self.drafter is not None and decode.features is not None

@@ -269,13 +269,15 @@ async def test_state_bytes_count_in_memory_and_admission(family_dirs):
     assert rows == 3 and kv_bytes >= 3 * per_row
 
 
-def test_rollback_replay_equals_a_cache_that_never_saw_the_rejected_positions(family_dirs):
-    """Two rows verify 4 positions; row 0 keeps 2, row 1 keeps 4 (all): each state layer's
-    replayed state, and the next step's logits, equal mlx-lm's on the kept tokens alone."""
+@pytest.mark.parametrize("keep", [[2, 4], [1, 1], [3, 2], [4, 4]])
+def test_rollback_replay_equals_a_cache_that_never_saw_the_rejected_positions(family_dirs, keep):
+    """Two rows verify 4 positions and keep `keep` of them (the replay runs over the longest
+    kept span; not at all when both keep all 4): each state layer's state, and the next
+    step's logits, equal mlx-lm's on the kept tokens alone."""
     model, _ = load_target_model(family_dirs["qwen3_5-i4"])
     target = TargetAdapter(model, [])
     prompts = [[5, 9, 11, 7, 5, 9], [8, 3, 3, 30, 2, 4]]
-    verify, keep = [[8, 20, 21, 22], [6, 1, 2, 3]], [2, 4]
+    verify = [[8, 20, 21, 22], [6, 1, 2, 3]]
     cache = target.new_cache(2)
     target(mx.array(prompts), cache)
     states = [c for c in cache if isinstance(c, RaggedStateCache)]
@@ -284,7 +286,7 @@ def test_rollback_replay_equals_a_cache_that_never_saw_the_rejected_positions(fa
     target(mx.array(verify), cache)
     for c in states:
         c.recording = False
-        replay(c, mx.array(keep))
+        replay(c, keep)
     for c in cache:
         if not isinstance(c, RaggedStateCache):
             c.trim_rows([4 - k for k in keep])

@@ -52,7 +52,8 @@ def target_config(model_type: str, vocab_size: int, layers: int = 6) -> dict:
 
 def family_config(model_type: str, vocab_size: int, **overrides) -> dict:
     """A tiny config of a family whose fields go beyond `target_config`'s: the hybrids
-    (`qwen3_5`, `qwen3_5_moe`, `lfm2`), the MoE `qwen3_moe` and `gpt_oss`."""
+    (`qwen3_5`, `qwen3_5_moe`, `lfm2`), the MoE `qwen3_moe`, `gpt_oss` and the sliding
+    `gemma3_text`."""
     config = target_config(model_type, vocab_size, layers=4)
     linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                   linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
@@ -71,6 +72,8 @@ def family_config(model_type: str, vocab_size: int, **overrides) -> dict:
                       block_multiple_of=16, block_ffn_dim_multiplier=1.0,
                       block_auto_adjust_ff_dim=False, block_ff_dim=128,
                       layer_types=["conv", "full_attention", "conv", "full_attention"])  # fmt: skip
+    elif model_type == "gemma3_text":
+        config.update(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16)
     elif model_type == "gpt_oss":
         config.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                       layer_types=["sliding_attention", "full_attention"] * 2,

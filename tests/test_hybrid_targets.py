@@ -32,18 +32,22 @@ FAMILIES = {
     # LFM2's head is tied: see `factories.build_target`.
     "lfm2": ("lfm2", {}, {"output_scale": 6.0, "embed_scale": 1.0}),
 }
-# Attention-only families beyond llama/qwen: MoE, and gpt-oss (attention sinks, sliding
-# layers of window 8 beside full ones, MoE). They keep the ragged cache and O(1) trims.
-MOE = {
+# Attention-only families beyond llama/qwen: MoE, gpt-oss (attention sinks, sliding layers
+# of window 8 beside full ones, MoE) and Gemma 3 (window 8 every other layer). They keep the
+# ragged cache and O(1) trims, and verify padded.
+ATTENTION = {
     "qwen3_moe": ("qwen3_moe", {}, {}),
     "gpt_oss": ("gpt_oss", {}, {}),
+    "gemma3_text": ("gemma3_text", {}, {}),
 }
 
 
 @pytest.fixture(scope="module")
 def family_dirs(model_root: Path, tokenizer_dir: Path) -> dict[str, Path]:
     dirs = {}
-    for seed, (name, (model_type, overrides, build)) in enumerate({**FAMILIES, **MOE}.items()):
+    for seed, (name, (model_type, overrides, build)) in enumerate(
+        {**FAMILIES, **ATTENTION}.items()
+    ):
         config = factories.family_config(model_type, 0, **overrides)
         dirs[name] = factories.build_target(
             model_root / f"hybrid-{name}", tokenizer_dir, model_type, 20 + seed, config, **build
@@ -124,7 +128,7 @@ async def test_greedy_equals_mlx_lm_drafting_off_and_lookup(
         assert tokens == references(name, prompt, n), (name, rid)
 
 
-@pytest.mark.parametrize("name", [*FAMILIES, *MOE])
+@pytest.mark.parametrize("name", [*FAMILIES, *ATTENTION])
 async def test_greedy_equals_mlx_lm_with_partly_accepted_drafts(
     name, family_dirs, references, vocab_size
 ):
@@ -142,7 +146,7 @@ async def test_greedy_equals_mlx_lm_with_partly_accepted_drafts(
         results = await run_all(engine, requests)
         await wait_idle(engine)
         assert engine.kv_bytes() == 0
-        assert engine._runner.packed is None or name in MOE
+        assert engine._runner.packed is None or name in ATTENTION
     assert not failures, failures[:5]
     accepted = 0
     for reference, (rid, prompt, _, _, _), (tokens, last) in zip(expected, requests, results):
@@ -302,12 +306,12 @@ def test_rollback_replay_equals_a_cache_that_never_saw_the_rejected_positions(fa
                     assert mx.allclose(a[row : row + 1], b, atol=1e-5).item()
 
 
-@pytest.mark.parametrize("name", list(MOE))
-async def test_moe_and_gpt_oss_equal_mlx_lm_drafting_off_lookup_and_dflash(
+@pytest.mark.parametrize("name", list(ATTENTION))
+async def test_moe_sliding_and_gpt_oss_equal_mlx_lm_drafting_off_lookup_and_dflash(
     name, family_dirs, hybrid_drafter_dir, references, vocab_size
 ):
-    """Prompts of 9-24 tokens against gpt-oss's window of 8; a random DFlash drafter (depth
-    3) on some rows, lookup or nothing on the others."""
+    """Prompts of 9-24 tokens against windows of 8; a random DFlash drafter (depth 3) on some
+    rows, lookup or nothing on the others."""
     requests = _requests(vocab_size, lambda i: (0, 3, 4)[i % 3])
     sources = [None, ["dflash"], ["lookup"]]
     config = EngineConfig(target=str(family_dirs[name]), drafter=str(hybrid_drafter_dir),

@@ -364,3 +364,19 @@ def test_unsupported_families_fail_at_load_with_their_name(model_type):
                       use_conv_bias=True, hybrid_override_pattern=["M", "*"])  # fmt: skip
     with pytest.raises(UnsupportedTargetError, match=model_type):
         TargetAdapter(model, [])
+
+
+def test_the_single_request_loop_rolls_hybrid_states_back(
+    family_dirs, hybrid_drafter_dir, references, vocab_size
+):
+    """`flashbatch generate`'s loop (`engine.speculative.generate`) on a hybrid target with a
+    random drafter at depth 7: mlx-lm's caches cannot trim a state, so it takes the engine's."""
+    from engine.loading import load_pair
+    from engine.speculative import generate
+
+    pair = load_pair(family_dirs["qwen3_5-i2"], hybrid_drafter_dir)
+    for prompt in _prompts(vocab_size, 3):
+        params = SamplingParams(max_tokens=12, ignore_eos=True, num_speculative_tokens=7)
+        result = generate(pair.target, prompt, params, drafter=pair.drafter, prefill_chunk=8)
+        assert result.token_ids == references("qwen3_5-i2", prompt, 12)
+        assert result.drafted > 0

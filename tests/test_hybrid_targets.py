@@ -17,7 +17,14 @@ import factories
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from test_engine import ScriptedEngine, check_invariants, plain_greedy, run_all, wait_idle
+from test_engine import (
+    PlainPlainDraftPolicy,
+    ScriptedEngine,
+    check_invariants,
+    plain_greedy,
+    run_all,
+    wait_idle,
+)
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.loading import load_target_model
@@ -380,3 +387,40 @@ def test_the_single_request_loop_rolls_hybrid_states_back(
         result = generate(pair.target, prompt, params, drafter=pair.drafter, prefill_chunk=8)
         assert result.token_ids == references("qwen3_5-i2", prompt, 12)
         assert result.drafted > 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_5-i2", "lfm2"])
+async def test_lookaheads_used_and_discarded_and_whole_prompts_prefilled_together(
+    name, family_dirs, references, vocab_size
+):
+    """Plain, plain, drafting steps in turn with a lookahead after every plain step: one is
+    used, the next discarded (a state cannot be trimmed: the state before it comes back),
+    also while staggered rows join. Whole prompts arriving together are prefilled in one
+    right-padded forward (mlx-lm's per-row `lengths` keep the padding out of the states)."""
+    together = [
+        (f"t{i}", p[: 3 + 2 * i], 12, None, 0) for i, p in enumerate(_prompts(vocab_size, 6))
+    ]
+    staggered = [(f"s{i}", p, 14, None, 0.02 * i) for i, p in enumerate(_prompts(vocab_size, 6))]
+    expected = [p + references(name, p, n) for _, p, n, _, _ in together + staggered]
+    config = EngineConfig(target=str(family_dirs[name]), max_num_seqs=8)
+    engine = ScriptedEngine(config, expected, vocab_size, [2, 0, 3],
+                            depth_policy=PlainPlainDraftPolicy(True))  # fmt: skip
+    counts = {"_discard": 0, "_prefill_together": 0}
+    async with engine:
+        runner = engine._runner
+        for method in counts:
+            original = getattr(runner, method)
+
+            def counted(*args, _original=original, _method=method):
+                counts[_method] += 1
+                return _original(*args)
+
+            setattr(runner, method, counted)
+        failures = check_invariants(engine)
+        results = await run_all(engine, together) + await run_all(engine, staggered)
+        await wait_idle(engine)
+        assert engine.kv_bytes() == 0
+    assert not failures, failures[:5]
+    for (rid, prompt, n, _, _), (tokens, _) in zip(together + staggered, results):
+        assert tokens == references(name, prompt, n), (name, rid)
+    assert counts["_discard"] > 3 and counts["_prefill_together"] > 0, counts

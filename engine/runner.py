@@ -11,8 +11,10 @@ Everything MLX lives here and is touched only from the engine's single MLX threa
    over ``[anchor, drafts...]`` of every row (packed: each row only its own ``1 + depth``
    positions, see `engine.packed`; padded to the widest for other architectures),
    every row sampled with its own sampler, the longest prefix where draft == sample accepted;
-4. **one** host sync; then per-row rollback of the rejected positions (O(1), lengths only),
-   committed features to the drafter sessions, and finished prefills join the batch;
+4. **one** host sync; then per-row rollback of the rejected positions (O(1), lengths only;
+   a hybrid target's recurrent-state layers replay their kept positions instead, built here
+   and computed with the next forward: `engine.recurrent`), committed features to the
+   drafter sessions, and finished prefills join the batch;
 5. lookahead: when the plan says the next step will be plain decoding too, that step's
    forward is built now and computed by `advance` (queued on the MLX thread right after this
    step returns) while the asyncio loop streams this step's tokens and plans the next one.

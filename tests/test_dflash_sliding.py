@@ -123,3 +123,20 @@ def test_sliding_drafts_equal_an_independent_reference_past_the_window(
     full = DFlashConfig.from_dict(dict(config.to_dict(), layer_types=None, sliding_window=None))
     unwindowed = _reference_hidden(model, full, features[0], embeddings)
     assert not mx.allclose(unwindowed, reference, atol=1e-4).item()  # the window mattered
+
+
+def test_sliding_mask_follows_each_rows_own_length(qwen3_target_dir, sliding_drafter_dir):
+    """Two rows of 12 and 7 context positions in one ragged batch: each row's block sits
+    after its own context and its window ends there, as when it drafts alone."""
+    pair = load_pair(qwen3_target_dir, sliding_drafter_dir)
+    model = pair.drafter.model
+    config = model.config
+    prompt = [5, 17, 99, 3, 42, 8, 8, 120, 77, 6, 31, 200]
+    _, features = pair.target(mx.array([prompt]))
+    block = mx.array([[64] + [config.mask_token_id] * 4, [70] + [config.mask_token_id] * 4])
+    embeddings = pair.target.embed(block)
+    both = mx.concatenate([features, features], axis=0)
+    ours = model(embeddings, model.make_cache(2), both, [12, 7])
+    for row, length in enumerate((12, 7)):
+        reference = _reference_hidden(model, config, features[0, :length], embeddings[row])
+        assert mx.allclose(ours[row], reference, atol=1e-4).item(), row

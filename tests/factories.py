@@ -52,7 +52,7 @@ def target_config(model_type: str, vocab_size: int, layers: int = 6) -> dict:
 
 def family_config(model_type: str, vocab_size: int, **overrides) -> dict:
     """A tiny config of a family whose fields go beyond `target_config`'s: the hybrids
-    (`qwen3_5`, `qwen3_5_moe`, `lfm2`), the MoE `qwen3_moe`, `gpt_oss` and the sliding
+    (`qwen3_5`, `qwen3_5_moe`, `qwen3_next`, `lfm2`), the MoE `qwen3_moe`, `gpt_oss` and the sliding
     `gemma3_text`."""
     config = target_config(model_type, vocab_size, layers=4)
     linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
@@ -65,6 +65,10 @@ def family_config(model_type: str, vocab_size: int, **overrides) -> dict:
         config.update(linear)
     elif model_type == "qwen3_5_moe":
         config.update(linear, **moe, shared_expert_intermediate_size=32)
+    elif model_type == "qwen3_next":
+        linear_only = {k: v for k, v in linear.items() if k != "rope_parameters"}
+        config.update(linear_only, **moe, shared_expert_intermediate_size=32,
+                      mlp_only_layers=[], partial_rotary_factor=0.5)  # fmt: skip
     elif model_type == "qwen3_moe":
         config.update(moe, mlp_only_layers=[])
     elif model_type == "lfm2":

@@ -36,6 +36,7 @@ FAMILIES = {
     "qwen3_5-i2": ("qwen3_5", {"full_attention_interval": 2}, {}),
     "qwen3_5-i4": ("qwen3_5", {"full_attention_interval": 4}, {}),
     "qwen3_5_moe": ("qwen3_5_moe", {}, {}),
+    "qwen3_next": ("qwen3_next", {}, {}),
     # LFM2's head is tied: see `factories.build_target`.
     "lfm2": ("lfm2", {}, {"output_scale": 6.0, "embed_scale": 1.0}),
 }

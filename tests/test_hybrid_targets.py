@@ -210,14 +210,17 @@ async def test_seeded_sampling_is_the_same_at_every_depth(
     assert len({tuple(t) for t in outputs[0]}) > 1
 
 
+@pytest.mark.parametrize("drafter", [False, True])
 async def test_prefix_cache_hit_equals_cold_start_and_partial_match_is_a_miss(
-    family_dirs, references, vocab_size
+    drafter, family_dirs, hybrid_drafter_dir, references, vocab_size
 ):
     """A follow-up prompt (earlier prompt + answer + more) reuses the whole entry; a prompt
-    sharing only part of an entry prefills cold (a state exists only at the entry's end)."""
+    sharing only part of an entry prefills cold (a state exists only at the entry's end).
+    With a DFlash drafter the entry carries the target features too."""
     name = "qwen3_5-i2"
     first = _prompts(vocab_size, 1)[0]
     config = EngineConfig(target=str(family_dirs[name]), max_num_seqs=4,
+                          drafter=str(hybrid_drafter_dir) if drafter else None,
                           num_speculative_tokens=4, prefix_cache_bytes=8 << 20)  # fmt: skip
     async with AsyncEngine(config) as engine:
         failures = check_invariants(engine)

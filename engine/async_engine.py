@@ -129,6 +129,7 @@ class AsyncEngine:
             prefill_chunk_tokens=self.config.prefill_chunk_tokens,
             kv_cache_bytes=self.config.kv_cache_bytes,
             bytes_per_token=self._runner.bytes_per_token(),
+            bytes_per_row=self._runner.bytes_per_row(),
             max_model_len=int(max_len or 4096),
         )
         if self._policy is None:
@@ -147,7 +148,9 @@ class AsyncEngine:
         if self.config.prefix_cache_bytes:
             self._runner.prefix_caching = True
             per_token = self._runner.prefix_bytes_per_token()
-            prefix = PrefixIndex(self.config.prefix_cache_bytes, per_token)
+            hybrid = self._runner.target.hybrid  # states: whole-prefix hits only
+            prefix = PrefixIndex(self.config.prefix_cache_bytes, per_token,
+                                 self._runner.bytes_per_row(), whole_only=hybrid)  # fmt: skip
         self.scheduler = Scheduler(
             limits, self._policy, self._runner.max_depth, self._runner.source_depths, prefix,
             prefill_rides=self._runner.packed is not None,

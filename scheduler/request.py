@@ -27,6 +27,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     prefilled: int = 0  # prompt positions already through the target (or from the cache)
     cached_tokens: int = 0  # prompt positions reused from the prefix cache
+    # Every token the runner committed, those past a stop too (what the row's cache holds:
+    # a hybrid target's prefix entry must be exactly that).
+    committed: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     # speculation stats
     drafted: int = 0

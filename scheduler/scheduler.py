@@ -36,6 +36,7 @@ class SchedulerLimits:
     prefill_chunk_tokens: int = 1024  # prompt tokens per step across all prefilling requests
     kv_cache_bytes: int = 4 << 30  # budget for the target KV cache of admitted requests
     bytes_per_token: int = 0  # KV bytes per cached token (0 = no memory budget)
+    bytes_per_row: int = 0  # bytes a row holds whatever its length (a hybrid's states)
     max_model_len: int = 4096
 
 
@@ -89,6 +90,7 @@ class Scheduler:
             )
         if self.limits.bytes_per_token:
             need = (prompt_len + max_tokens) * self.limits.bytes_per_token
+            need += self.limits.bytes_per_row
             if need > self.limits.kv_cache_bytes:
                 raise InvalidRequest(
                     f"the request needs {need >> 20} MiB of KV cache, more than the engine's "
@@ -202,13 +204,15 @@ class Scheduler:
         ]
         if len(staying) >= self.limits.max_num_seqs:
             return False
-        return self._fits(self.waiting[0], sum(r.reserved_tokens for r in staying))
+        return self._fits(self.waiting[0], sum(r.reserved_tokens for r in staying), len(staying))
 
-    def _fits(self, request: Request, reserved: int) -> bool:
-        """Whether `request`'s KV reservation fits beside `reserved` tokens of others."""
+    def _fits(self, request: Request, reserved: int, rows: int) -> bool:
+        """Whether `request`'s KV reservation fits beside `reserved` tokens of `rows` others
+        (each row also holds `bytes_per_row`: a hybrid target's recurrent states)."""
         if not self.limits.bytes_per_token:
             return True
         need = (reserved + request.reserved_tokens) * self.limits.bytes_per_token
+        need += (rows + 1) * self.limits.bytes_per_row
         return need <= self.limits.kv_cache_bytes
 
     def _options(self, request: Request) -> DraftOptions:
@@ -277,7 +281,8 @@ class Scheduler:
         reserved = sum(r.reserved_tokens for r in self.prefilling + self.running)
         while self.waiting and len(self.prefilling) + len(self.running) < self.limits.max_num_seqs:
             request = self.waiting[0]
-            if not self._fits(request, reserved):
+            rows = len(self.prefilling) + len(self.running)
+            if not self._fits(request, reserved, rows):
                 break  # wait for memory to free up
             self.waiting.popleft()
             self._waiting_prompt_tokens -= len(request.prompt_ids)
@@ -307,7 +312,8 @@ class Scheduler:
         for request in self._to_save:
             # The runner's row holds committed - 1 positions, and may hold more: tokens past
             # a stop were committed there but are not output. This prefix is valid either way.
-            tokens = (request.prompt_ids + request.stop.token_ids)[:-1]
+            output = request.committed if self.prefix.whole_only else request.stop.token_ids
+            tokens = (request.prompt_ids + output)[:-1]
             entry_id, drops = self.prefix.save(tokens)
             plan.prefix_drops += drops
             if entry_id is not None:
@@ -361,6 +367,7 @@ class Scheduler:
     def _add_tokens(self, request: Request, tokens: list[int], changed: list[Request],
                     logprobs: list[TokenLogprob] | None = None) -> None:  # fmt: skip
         kept = request.stop.add(tokens)
+        request.committed += tokens
         if request.logprobs is not None and logprobs is not None:
             request.logprobs += logprobs[: len(kept)]  # tokens past a stop are not output
         if request.stop.finished:

@@ -62,16 +62,63 @@ def target_config(model_type: str, vocab_size: int, layers: int = 6) -> dict:
     }
 
 
-def build_target(directory: Path, tokenizer_dir: Path, model_type: str, seed: int) -> Path:
-    """A random-weight float32 mlx-lm model of `model_type`, saved with the tokenizer."""
+def family_config(model_type: str, vocab_size: int, **overrides) -> dict:
+    """A tiny config of a family whose fields go beyond `target_config`'s: the hybrids
+    (`qwen3_5`, `qwen3_5_moe`, `qwen3_next`, `lfm2`), the MoE `qwen3_moe`, `gpt_oss` and the sliding
+    `gemma3_text`."""
+    config = target_config(model_type, vocab_size, layers=4)
+    linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
+                  rope_parameters={"type": "default", "rope_theta": 10000.0,
+                                   "partial_rotary_factor": 0.5})  # fmt: skip
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               norm_topk_prob=True, decoder_sparse_step=1)  # fmt: skip
+    if model_type == "qwen3_5":
+        config.update(linear)
+    elif model_type == "qwen3_5_moe":
+        config.update(linear, **moe, shared_expert_intermediate_size=32)
+    elif model_type == "qwen3_next":
+        linear_only = {k: v for k, v in linear.items() if k != "rope_parameters"}
+        config.update(linear_only, **moe, shared_expert_intermediate_size=32,
+                      mlp_only_layers=[], partial_rotary_factor=0.5)  # fmt: skip
+    elif model_type == "qwen3_moe":
+        config.update(moe, mlp_only_layers=[])
+    elif model_type == "lfm2":
+        config.update(norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=64,
+                      block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+                      block_auto_adjust_ff_dim=False, block_ff_dim=128,
+                      layer_types=["conv", "full_attention", "conv", "full_attention"])  # fmt: skip
+    elif model_type == "gemma3_text":
+        config.update(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16)
+    elif model_type == "gpt_oss":
+        config.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention"] * 2,
+                      rope_scaling=None)  # fmt: skip
+    config.update(overrides)
+    return config
+
+
+def build_target(directory: Path, tokenizer_dir: Path, model_type: str, seed: int,
+                 config: dict | None = None, embed_scale: float = 3.0,
+                 output_scale: float = 1.0) -> Path:  # fmt: skip
+    """A random-weight float32 mlx-lm model of `model_type` (the `target_config`, or
+    `config`), saved with the tokenizer. `output_scale` multiplies the layers' output
+    projections: a tied random model (LFM2 has no untied head) otherwise repeats one token."""
     directory.mkdir(parents=True, exist_ok=True)
     vocab = len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
-    config = target_config(model_type, vocab)
+    config = target_config(model_type, vocab) if config is None else dict(config)
+    config["vocab_size"] = vocab
     module = importlib.import_module(f"mlx_lm.models.{model_type}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     # Larger embeddings make random models write varied (less repetitive) sequences.
-    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 3.0
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight * embed_scale
+    if output_scale != 1.0:
+        from mlx.utils import tree_flatten, tree_unflatten
+
+        scaled = [(k, v * output_scale) for k, v in tree_flatten(model.parameters())
+                  if k.endswith(("out_proj.weight", "w2.weight", "down_proj.weight"))]  # fmt: skip
+        model.update(tree_unflatten(scaled))
     mx.eval(model.parameters())
     save_model(directory, model)
     save_config(config, directory / "config.json")

@@ -51,6 +51,11 @@ class DFlashConfig:
     max_position_embeddings: int = 40960
     attention_bias: bool = False
     model_type: str = "qwen3"
+    # Per drafter layer, "full_attention" or "sliding_attention" (z-lab's Qwen3.6 drafters):
+    # a sliding layer's block query at position p sees only keys at positions > p - window,
+    # as z-lab's PyTorch model (`DFlashAttention.sliding_window`) trains it. None: all full.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # unknown keys, written back on save
 
     @classmethod
@@ -94,8 +99,10 @@ class DFlashConfig:
             "head_dim", "intermediate_size", "vocab_size", "block_size", "mask_token_id",
             "target_layer_ids", "num_target_layers", "rms_norm_eps", "rope_theta",
             "rope_scaling", "rope_parameters", "max_position_embeddings", "attention_bias",
-            "model_type", "dflash_config",
+            "model_type", "dflash_config", "layer_types", "sliding_window",
         }  # fmt: skip
+        layer_types = pick("layer_types")
+        sliding_window = pick("sliding_window")
         config = cls(
             hidden_size=hidden,
             num_hidden_layers=layers,
@@ -114,6 +121,13 @@ class DFlashConfig:
             max_position_embeddings=int(pick("max_position_embeddings", 40960)),
             attention_bias=bool(pick("attention_bias", False)),
             model_type=str(raw.get("model_type", "qwen3")),
+            # All-full layer types say nothing (our own saves write them for every drafter).
+            layer_types=(
+                None
+                if layer_types is None or "sliding_attention" not in layer_types
+                else [str(t) for t in layer_types]
+            ),
+            sliding_window=None if sliding_window is None else int(sliding_window),
             extra={k: v for k, v in raw.items() if k not in known},
         )
         config.check()
@@ -128,6 +142,22 @@ class DFlashConfig:
             )
         if not self.target_layer_ids:
             raise DrafterConfigError("dflash_config.target_layer_ids is empty")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise DrafterConfigError(
+                    f"layer_types names {len(self.layer_types)} layers, the drafter has "
+                    f"{self.num_hidden_layers}"
+                )
+            unknown = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+            if unknown:
+                raise DrafterConfigError(
+                    f"layer_types holds {unknown}: only full_attention and sliding_attention"
+                )
+            if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+                raise DrafterConfigError(
+                    "layer_types has sliding_attention layers but sliding_window is "
+                    f"{self.sliding_window!r} (a positive number of positions is needed)"
+                )
         if self.num_attention_heads % self.num_key_value_heads:
             raise DrafterConfigError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -159,10 +189,18 @@ class DFlashConfig:
             rope_theta=self.rope_theta,
             rope_scaling=self.rope_scaling,
             max_position_embeddings=self.max_position_embeddings,
-            layer_types=["full_attention"] * self.num_hidden_layers,
+            layer_types=list(self.layer_types or ["full_attention"] * self.num_hidden_layers),
             tie_word_embeddings=False,
         )
+        if self.sliding_window is not None:
+            out["sliding_window"] = self.sliding_window
         return out
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window (None: full attention)."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
 
 def validate_pairing(config: DFlashConfig, target: TargetShape, fc_in_features: int) -> None:

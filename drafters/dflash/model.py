@@ -94,8 +94,9 @@ class DFlashMLP(nn.Module):
 
 
 class DFlashLayer(nn.Module):
-    def __init__(self, config: DFlashConfig) -> None:
+    def __init__(self, config: DFlashConfig, window: int | None = None) -> None:
         super().__init__()
+        self.window = window  # sliding attention over this many positions (None: full)
         self.self_attn = DFlashAttention(config)
         self.mlp = DFlashMLP(config)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -115,7 +116,9 @@ class DFlashDraftModel(nn.Module):
         width = len(config.target_layer_ids) * config.hidden_size
         self.fc = nn.Linear(width, config.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = [DFlashLayer(config) for _ in range(config.num_hidden_layers)]
+        self.layers = [
+            DFlashLayer(config, config.window_of(i)) for i in range(config.num_hidden_layers)
+        ]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # Inference-only: all layers' context K/V weights stacked into one matrix, so the new
         # context rows of a step are projected for every layer by one matmul (fewer, larger
@@ -189,9 +192,13 @@ class DFlashDraftModel(nn.Module):
             self.append_context(features, counts or [features.shape[1]] * features.shape[0], cache)
         lengths = cache[0].lengths
         block_offset = cache[0].offset  # the anchor sits right after each row's context
-        mask = _context_mask(lengths, block_embeddings.shape[1])
+        block_len = block_embeddings.shape[1]
+        masks = {None: _context_mask(lengths, block_len)}
+        for window in {layer.window for layer in self.layers} - {None}:
+            masks[window] = _window_mask(lengths, block_len, window)
         h = block_embeddings
         for layer, layer_cache in zip(self.layers, cache):
+            mask = masks[layer.window]
             if layer_cache.keys is None:  # no context yet: the block attends to itself only
                 empty = mx.zeros(
                     (len(lengths), self.config.num_key_value_heads, 0, self.config.head_dim),
@@ -202,6 +209,21 @@ class DFlashDraftModel(nn.Module):
                 context_keys, context_values = layer_cache.fetch()
             h = layer(h, context_keys, context_values, block_offset, mask)
         return self.norm(h)
+
+
+def _window_mask(lengths: list[int], block_len: int, window: int) -> mx.array:
+    """[B, 1, Q, S_max + Q] validity for a sliding layer: block query i of row b sits at
+    position ``lengths[b] + i`` and sees a key at position p iff ``p > that - window`` (and
+    the key is real: context keys past the row's own length are padding)."""
+    longest = max(lengths) if lengths else 0
+    context_len = mx.array(lengths, dtype=mx.int32)[:, None, None]  # [B, 1, 1]
+    query_pos = context_len + mx.arange(block_len)[None, :, None]  # [B, Q, 1]
+    slot = mx.arange(longest + block_len)[None, None, :]
+    # Context slot j holds position j; block slot longest + i' holds position lengths[b] + i'.
+    key_pos = mx.where(slot < longest, slot, context_len + slot - longest)
+    real = (slot < context_len) | (slot >= longest)
+    valid = real & (key_pos > query_pos - window)  # [B, Q, S_max + Q]
+    return valid[:, None, :, :]
 
 
 def _context_mask(lengths: list[int], block_len: int) -> mx.array | None:

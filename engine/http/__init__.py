@@ -5,5 +5,7 @@
 - `openai_api`: the request/response schemas and their validation;
 - `errors`: one error path, an OpenAI error body for every non-2xx answer;
 - `guard`: uvicorn h11 protocol limits (read timeout, connection cap);
-- `logs`: access-log filtering (no query strings, no line per malformed request).
+- `logs`: access-log filtering (no query strings, no line per malformed request);
+- `linger`: the lingering close after an early answer, so clients read it, not a reset;
+- `body`: request bodies read within the byte limit, gzip/deflate decoded.
 """

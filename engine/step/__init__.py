@@ -5,6 +5,7 @@
 - `packed`: the packed verify forward (each row's own positions in one sequence);
 - `kv_cache`: `RaggedKVCache`, per-row lengths and O(1) per-row rollback;
 - `target`: `TargetAdapter`, an mlx-lm model whose forward also returns tapped features;
+- `state_cache`, `recurrent`: hybrid targets' per-row recurrent state and its exact rollback;
 - `sampling`, `logprobs`, `stopping`: the sampler, log-probabilities, stop conditions;
 - `feature_journal`: a step's tapped features, journalled once for every owner;
 - `prefix_cache`: finished requests' KV kept under a byte budget for reuse;

@@ -158,15 +158,10 @@ class RaggedKVCache:
         new batch size (one row copied per hole, in place); the rest stay where they are.
         Returns the new row order: ``order[new_row] = old_row`` (not sorted when rows moved)."""
         B = self.batch_size
-        gone = set(leaving)
-        if any(r < 0 or r >= B for r in gone):
-            raise ValueError(f"rows {sorted(gone)} are not all in a batch of {B}")
-        kept = B - len(gone)
-        holes = sorted(r for r in gone if r < kept)
-        movers = [r for r in range(kept, B) if r not in gone]  # as many as holes
-        order = list(range(kept))
-        for hole, mover in zip(holes, movers):
-            order[hole] = mover
+        order = removal_order(B, leaving)
+        kept = len(order)
+        holes = [r for r in range(kept) if order[r] != r]
+        movers = [order[r] for r in holes]
         self.lengths = [self.lengths[r] for r in order]
         self._offset = None
         if self.keys is None:
@@ -285,6 +280,10 @@ class RaggedKVCache:
         """Append the rows of ``other`` (a request joined the batch). Copies both caches."""
         self.extend_many([other])
 
+    def arrays(self) -> list[mx.array]:
+        """The buffers (to compute pending copies into them)."""
+        return [] if self.keys is None else [self.keys, self.values]
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the key and value buffers (allocated capacity)."""
@@ -308,6 +307,22 @@ class RaggedKVCache:
     def _shrunk_capacity(self) -> int:
         longest = max(self.lengths) if self.lengths else 0
         return max(self.step, ((longest + self.step - 1) // self.step) * self.step)
+
+
+def removal_order(batch: int, leaving: list[int]) -> list[int]:
+    """The row order after rows `leaving` leave a batch of `batch`: ``order[new] = old``. The
+    last staying rows move into the holes below the new batch size; the rest stay put. (One
+    rule for every kind of layer cache, so all layers keep their rows aligned.)"""
+    gone = set(leaving)
+    if any(r < 0 or r >= batch for r in gone):
+        raise ValueError(f"rows {sorted(gone)} are not all in a batch of {batch}")
+    kept = batch - len(gone)
+    holes = sorted(r for r in gone if r < kept)
+    movers = [r for r in range(kept, batch) if r not in gone]  # as many as holes
+    order = list(range(kept))
+    for hole, mover in zip(holes, movers):
+        order[hole] = mover
+    return order
 
 
 def _pad_rows(x: mx.array, extra: int) -> mx.array:

@@ -16,6 +16,14 @@ target cache holds committed - 1 positions). A hit reuses at most len(prompt) - 
 the last prompt token must go through the target to give the first token's logits. Entries are
 immutable: a hit copies the prefix into the request's own cache before anything is written,
 and an entry pinned by an admission in flight is never evicted.
+
+Hybrid targets (`whole_only`): a recurrent state exists only at the position it was saved at,
+so an entry holds the state at its end and is reused only when it is a whole prefix of the new
+prompt (the chat follow-up: the earlier turn's prompt and answer, then the new message). A
+partial match is a miss: the prompt is prefilled cold. Such an entry covers exactly what the
+row's cache held (the prompt and every committed token but the newest, tokens past a stop
+included), and a new entry never replaces a shorter one (that one still serves its own
+follow-ups).
 """
 
 from __future__ import annotations
@@ -62,9 +70,12 @@ class PrefixSave:
 class PrefixIndex:
     """The host-side index of cached prefixes; see the module docstring."""
 
-    def __init__(self, budget_bytes: int, bytes_per_token: int) -> None:
+    def __init__(self, budget_bytes: int, bytes_per_token: int, bytes_per_entry: int = 0,
+                 whole_only: bool = False) -> None:  # fmt: skip
         self.budget_bytes = budget_bytes
         self.bytes_per_token = bytes_per_token
+        self.bytes_per_entry = bytes_per_entry  # a hybrid target's recurrent states
+        self.whole_only = whole_only  # see the module docstring
         self._entries: OrderedDict[int, _Indexed] = OrderedDict()  # least recently used first
         self._next_id = 0
         self.used_bytes = 0
@@ -88,6 +99,8 @@ class PrefixIndex:
             if entry.tokens[0] != prompt[0]:
                 continue
             length = common_prefix(entry.tokens, prompt, limit)
+            if self.whole_only and length != len(entry.tokens):
+                continue  # a state exists only at the entry's end
             if length > best_length:
                 best, best_length = entry, length
         if best is None:
@@ -107,24 +120,27 @@ class PrefixIndex:
     def save(self, tokens: list[int]) -> tuple[int | None, list[int]]:
         """Index a finished request's cached `tokens`; returns the new entry's id (None when
         it is not worth keeping or cannot fit) and the ids of the entries it evicts."""
-        size = len(tokens) * self.bytes_per_token
+        size = self._size(len(tokens))
         if not tokens or size > self.budget_bytes:
             return None, []
         for entry in self._entries.values():
+            if self.whole_only and entry.tokens != tokens:
+                continue  # a longer entry does not serve this one's follow-ups
             if len(entry.tokens) >= len(tokens) and common_prefix(entry.tokens, tokens) == len(
                 tokens
             ):
                 self._entries.move_to_end(entry.entry_id)  # already cached (or more of it)
                 return None, []
-        # Entries the new one extends are redundant: every match they give, it gives too.
+        # Entries the new one extends are redundant: every match they give, it gives too
+        # (not so with whole-only matching).
         drops = [
             e.entry_id
             for e in self._entries.values()
-            if not e.pins and common_prefix(e.tokens, tokens) == len(e.tokens)
+            if not e.pins
+            and not self.whole_only
+            and common_prefix(e.tokens, tokens) == len(e.tokens)
         ]
-        used = self.used_bytes - sum(len(self._entries[i].tokens) for i in drops) * (
-            self.bytes_per_token
-        )
+        used = self.used_bytes - sum(self._size(len(self._entries[i].tokens)) for i in drops)
         victims = iter(
             [e for e in self._entries.values() if not e.pins and e.entry_id not in drops]
         )
@@ -133,7 +149,7 @@ class PrefixIndex:
             if victim is None:
                 return None, []  # what is left is pinned by admissions in flight
             drops.append(victim.entry_id)
-            used -= len(victim.tokens) * self.bytes_per_token
+            used -= self._size(len(victim.tokens))
         for entry_id in drops:
             self._drop(entry_id)
         entry_id, self._next_id = self._next_id, self._next_id + 1
@@ -141,25 +157,31 @@ class PrefixIndex:
         self.used_bytes += size
         return entry_id, drops
 
+    def _size(self, tokens: int) -> int:
+        return tokens * self.bytes_per_token + self.bytes_per_entry
+
     def _drop(self, entry_id: int) -> None:
         entry = self._entries.pop(entry_id)
         assert not entry.pins, "a pinned prefix entry is never evicted"
-        self.used_bytes -= len(entry.tokens) * self.bytes_per_token
+        self.used_bytes -= self._size(len(entry.tokens))
 
 
 @dataclass
 class PrefixEntry:
-    """One cached prefix's arrays (MLX thread): per layer K and V [1, H, L, D], and the
-    target features [L, F] of the same positions when a drafter needs them."""
+    """One cached prefix's arrays (MLX thread): per attention layer K and V [1, H, L, D], the
+    target features [L, F] of the same positions when a drafter needs them, and for a hybrid
+    target each state layer's state arrays after the entry's last position."""
 
     keys: list[mx.array]
     values: list[mx.array]
     features: mx.array | None
     length: int
+    states: list[list[mx.array | None]] | None = None
 
     def arrays(self) -> list[mx.array]:
         extra = [] if self.features is None else [self.features]
-        return [*self.keys, *self.values, *extra]
+        saved = [a for state in self.states or [] for a in state if a is not None]
+        return [*self.keys, *self.values, *extra, *saved]
 
     @property
     def nbytes(self) -> int:

@@ -11,8 +11,10 @@ Everything MLX lives here and is touched only from the engine's single MLX threa
    over ``[anchor, drafts...]`` of every row (packed: each row only its own ``1 + depth``
    positions, see `engine.step.packed`; padded to the widest for other architectures),
    every row sampled with its own sampler, the longest prefix where draft == sample accepted;
-4. **one** host sync; then per-row rollback of the rejected positions (O(1), lengths only),
-   committed features to the drafter sessions, and finished prefills join the batch;
+4. **one** host sync; then per-row rollback of the rejected positions (O(1), lengths only;
+   a hybrid target's recurrent-state layers replay their kept positions instead, built here
+   and computed with the next forward: `engine.step.recurrent`), committed features to the
+   drafter sessions, and finished prefills join the batch;
 5. lookahead: when the plan says the next step will be plain decoding too, that step's
    forward is built now and computed by `advance` (queued on the MLX thread right after this
    step returns) while the asyncio loop streams this step's tokens and plans the next one.
@@ -43,7 +45,9 @@ from engine.step.feature_journal import FeatureJournal
 from engine.step.kv_cache import RaggedKVCache
 from engine.step.packed import PackedLayout, PrefillSegment
 from engine.step.prefix_cache import PrefixEntry, PrefixSave
+from engine.step.recurrent import replay
 from engine.step.sampling import RandomStream, SamplingParams, request_stream, sample, sample_rows
+from engine.step.state_cache import RaggedStateCache
 from engine.step.target import TargetAdapter
 from scheduler.plan import Admission, PrefillChunk, RowOutcome, StepPlan, StepResult
 from scheduler.sources import DFLASH, LOOKUP
@@ -100,6 +104,9 @@ class _Decode:
     sources: list[str | None] = field(default_factory=list)  # per row (None: no drafts)
     lookup_rows: int = 0
     logprobs: token_logprobs.LazyLogprobs | None = None  # rows that asked for them
+    # Each row's sampler draws before this forward sampled (a drafting step rewinds them to
+    # these + the positions it committed: see `ModelRunner._commit`).
+    draws_before: list[int] = field(default_factory=list)
 
     # Packed verify: where row b's verify position i lies in the packed logits/features
     # (`layout.index(b, i)`); None when the forward was padded to `width + 1` per row.
@@ -159,6 +166,9 @@ class _Lookahead:
     eval_seconds: float = 0.0  # computing it (in `advance`)
     # Built early (before the step's sync): the target cache before it, until it is kept.
     cache_before: list[tuple] | None = None
+    # Hybrid targets: each state layer's state before it (a state cannot be trimmed), to
+    # discard it or to save a prefix entry at the row's committed end.
+    state_before: list[list[mx.array | None]] = field(default_factory=list)
 
     def select(self, rows: list[str]) -> None:
         """Keep only `rows` (requests left the batch): their outputs, in that order."""
@@ -171,6 +181,9 @@ class _Lookahead:
         d.features = None if d.features is None else d.features[index]
         d.depths = [0] * len(rows)
         d.sources = [None] * len(rows)
+        self.state_before = [
+            [None if a is None else a[index] for a in before] for before in self.state_before
+        ]
         self.rows = list(rows)
 
 
@@ -195,7 +208,12 @@ class ModelRunner:
         # Profiling adds a host sync after the draft forward to time it apart from the verify.
         self.profile_phases = profile_phases
         self._draft_seconds = 0.0
-        self.cache: list[RaggedKVCache] = [RaggedKVCache(0) for _ in target.layers]
+        # One cache per layer: a ragged KV cache, or for a hybrid target's recurrent layers a
+        # batched state (`engine.step.state_cache`), rolled back by replay
+        # (`engine.step.recurrent`).
+        self.cache: list[RaggedKVCache | RaggedStateCache] = target.new_cache(0)
+        self._kv = [c for c in self.cache if isinstance(c, RaggedKVCache)]
+        self._states = [c for c in self.cache if isinstance(c, RaggedStateCache)]
         self.rows: list[str] = []  # request ids in batch-row order
         self.states: dict[str, _RowState] = {}
         self._lookahead: _Lookahead | None = None
@@ -228,7 +246,7 @@ class ModelRunner:
         started = time.perf_counter()
         lookahead, self._lookahead = self._lookahead, None
         for save in plan.prefix_saves:  # before the rows leave
-            self._save_prefix(save, ahead=lookahead is not None)
+            self._save_prefix(save, ahead=lookahead)
         if plan.prefix_saves and plan.removals:
             # Computed now: a pending copy out of the cache would keep its buffers shared, and
             # the removal's in-place moves would then copy all of them.
@@ -387,8 +405,7 @@ class ModelRunner:
         Left lazy they ran in the next step's sync and counted as that step's forward: a
         plain step after a join then measured 1.7x its cost, and the depth controller,
         judging drafts against it, read them as nearly free."""
-        mx.eval([c.keys for c in self.cache if c.keys is not None],
-                [c.values for c in self.cache if c.values is not None])  # fmt: skip
+        mx.eval([c.arrays() for c in self.cache])
 
     def _prefill_together(self, chunks: list, first_tokens: dict[str, mx.array]) -> None:
         """Prefill several whole prompts in one forward: right-padded to the longest (the
@@ -399,11 +416,17 @@ class ModelRunner:
         longest = max(lengths)
         ids = mx.array([s.prompt_ids + [0] * (longest - len(s.prompt_ids)) for s in states],
                        dtype=mx.int32)  # fmt: skip
-        cache = [RaggedKVCache(len(states)) for _ in self.target.layers]
+        cache = self.target.new_cache(len(states))
+        for layer_cache in cache:
+            if isinstance(layer_cache, RaggedStateCache):  # the padding must not reach a state
+                layer_cache.lengths = mx.array(lengths, dtype=mx.int32)
         full = [s.params.prompt_logprobs is not None for s in states]
         logits, last, features = self._prefill_forward(ids, cache, lengths, full)
         for layer_cache in cache:
-            layer_cache.trim_rows([longest - n for n in lengths])
+            if isinstance(layer_cache, RaggedStateCache):
+                layer_cache.lengths = None
+            else:
+                layer_cache.trim_rows([longest - n for n in lengths])
         for row, (state, n) in enumerate(zip(states, lengths)):
             state.prefill_cache = [batched.take_rows([row]) for batched in cache]
             if features is not None:
@@ -452,8 +475,10 @@ class ModelRunner:
         the rows' committed anchors or on `anchors` [B, 1], this step's still lazy tokens."""
         started = time.perf_counter()
         draws = {r: self.states[r].draws for r in self.rows}
+        state_before = [c.snapshot() for c in self._states]
         decode = self._decode({}, anchors=anchors)
-        return _Lookahead(decode, list(self.rows), draws, time.perf_counter() - started)
+        return _Lookahead(decode, list(self.rows), draws, time.perf_counter() - started,
+                          state_before=state_before)  # fmt: skip
 
     def _launch_early(self, plan: StepPlan, decode: _Decode | None) -> _Lookahead | None:
         """mlx-lm's pipelining: when this step is plain for every row and no request joins
@@ -500,8 +525,10 @@ class ModelRunner:
     def _discard(self, lookahead: _Lookahead) -> None:
         """The plan was not plain after all: roll back the looked-ahead position of every row
         (lengths only) and give the rows their sampler draws back, as if it never ran."""
-        for layer_cache in self.cache:
+        for layer_cache in self._kv:
             layer_cache.trim_rows([1] * len(self.rows))
+        for layer_cache, before in zip(self._states, lookahead.state_before):
+            layer_cache.restore(before)  # the state before it (a state has no trim)
         for request_id in self.rows:
             self.states[request_id].give_back(lookahead.draws[request_id])
 
@@ -552,14 +579,23 @@ class ModelRunner:
             verify_ids = mx.concatenate([anchors, drafts], axis=1)
         else:
             verify_ids = anchors
-        logits, features = self.target(verify_ids, self.cache)
+        recording = bool(width and self._states)  # a verify a hybrid row must roll back
+        for layer_cache in self._states if recording else ():
+            layer_cache.recording = True
+        try:
+            logits, features = self.target(verify_ids, self.cache)
+        finally:
+            for layer_cache in self._states:
+                layer_cache.recording = False
+        draws_before = [s.draws for s in states]
         targets = self._sample_rows(logits, states)
         if width:
             accepted = _accepted(drafts, targets, depths)
         else:
             accepted = mx.zeros((len(states),), dtype=mx.int32)
         decode = _Decode(depths, width, targets, accepted, features, len(drafting),
-                         context_rows, sources, len(lookup_drafts))  # fmt: skip
+                         context_rows, sources, len(lookup_drafts),
+                         draws_before=draws_before)  # fmt: skip
         asking = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         if asking:  # only rows that asked pay for the log-softmax
             index = mx.array(asking, dtype=mx.int32)
@@ -576,7 +612,7 @@ class ModelRunner:
         (`drafts` is [B, width], each row's own drafts first; None when no row drafts), and
         each prefill segment its chunk's tokens after them."""
         B, width = len(states), max(depths)
-        layout = PackedLayout.build([1 + d for d in depths], list(self.cache[0].lengths))
+        layout = PackedLayout.build([1 + d for d in depths], list(self._kv[0].lengths))
         # Packed ids gathered from [anchors of every row; the draft matrix, row by row].
         source = [
             j for b, d in enumerate(depths) for j in [b] + [B + b * width + i for i in range(d)]
@@ -593,6 +629,7 @@ class ModelRunner:
         self._segment_outputs(segments, layout.total, logits, features)
         logits = logits[: layout.total] if segments else logits
         # Each row samples only its own positions, with its own sampler and random stream.
+        draws_before = [s.draws for s in states]
         packed_targets = sample_rows(
             logits, [s.params for s in states], [s.random for s in states], layout.widths
         )
@@ -602,7 +639,8 @@ class ModelRunner:
             accepted = mx.zeros((B,), dtype=mx.int32)
         else:
             accepted = _accepted(drafts, targets, depths)
-        decode = _Decode(depths, width, targets, accepted, features, 0, layout=layout)
+        decode = _Decode(depths, width, targets, accepted, features, 0, layout=layout,
+                         draws_before=draws_before)  # fmt: skip
         asking = [b for b, s in enumerate(states) if s.params.logprobs is not None]
         if asking:  # their positions, padded like `targets` (the padding is never committed)
             index = mx.array(layout.padded_index(asking, 0, width + 1), dtype=mx.int32)
@@ -672,8 +710,12 @@ class ModelRunner:
         accepted = decode.accepted.tolist()
         logprobs = decode.logprobs.to_host() if decode.logprobs is not None else {}
         trims = decode.trims(accepted)
-        for layer_cache in self.cache:
+        for layer_cache in self._kv:
             layer_cache.trim_rows(trims)
+        if decode.width and self._states:  # each row's state after its accepted + 1 positions
+            keep = [a + 1 for a in accepted]
+            for layer_cache in self._states:
+                replay(layer_cache, keep)
         # Features of the positions now in the cache, journalled whole, one block per row
         # (`engine.step.feature_journal`): for the rows' DFlash sessions and the prefix cache's log.
         logging = self.prefix_caching and self.drafter is not None and decode.features is not None
@@ -691,6 +733,10 @@ class ModelRunner:
             if logging:  # kept even for a row that does not draft with DFlash: a later hit may
                 log_blocks.append((state, start, a + 1))
             state.anchor = committed[-1]
+            if decode.width:
+                # Uniforms are indexed by output position: the draws of rejected positions
+                # go back, so a seeded request samples the same tokens at every depth.
+                state.give_back(decode.draws_before[i] + a + 1)
             if state.lookup is not None:
                 self.lookup.commit(state.lookup, None, cached)
                 if source == LOOKUP:
@@ -724,7 +770,7 @@ class ModelRunner:
             prompt_ids=list(admission.prompt_ids),
             params=params,
             random=None if params.greedy else request_stream(params.seed),
-            prefill_cache=[RaggedKVCache(1) for _ in self.target.layers],
+            prefill_cache=self.target.new_cache(1),
         )
         if admission.prefix_entry is not None:
             # A prefix cache hit: one copy of the entry's first positions into the request's
@@ -733,8 +779,15 @@ class ModelRunner:
             if entry.features is None and self.drafter is not None and self.target.layer_ids:
                 raise RuntimeError("a prefix entry without the features its drafter reads")
             room = len(state.prompt_ids) + 1
+            kv = iter(zip(entry.keys, entry.values))
+            saved = iter(entry.states or [])
+            if entry.states is not None and n != entry.length:
+                raise RuntimeError(f"a recurrent entry of {entry.length} positions hit at {n}")
             state.prefill_cache = [
-                RaggedKVCache.from_prefix(k, v, n, room) for k, v in zip(entry.keys, entry.values)
+                RaggedStateCache.from_state(next(saved))
+                if isinstance(c, RaggedStateCache)
+                else RaggedKVCache.from_prefix(*next(kv), n, room)
+                for c in state.prefill_cache
             ]
             if entry.features is not None:
                 # The drafter gets these rows at the join, as after a cold prefill.
@@ -753,22 +806,37 @@ class ModelRunner:
             state.feature_log.append(features)
             self._to_eval.append(features)
 
-    def _save_prefix(self, save: PrefixSave, ahead: bool) -> None:
+    def _save_prefix(self, save: PrefixSave, ahead: _Lookahead | None) -> None:
         """Copy a finished row's first `save.length` cache positions into a new entry."""
         state = self.states[save.request_id]
         row = self.rows.index(save.request_id)
         n = save.length
-        committed = self.cache[0].lengths[row] - (1 if ahead else 0)  # a lookahead's is not
-        if n > committed:
+        committed = self._kv[0].lengths[row] - (1 if ahead is not None else 0)  # a lookahead's
+        if n > committed:  # position is not committed
             raise RuntimeError(f"prefix save of {n} positions from a row of {committed}")
-        keys = [mx.contiguous(c.keys[row : row + 1, :, :n, :]) for c in self.cache]
-        values = [mx.contiguous(c.values[row : row + 1, :, :n, :]) for c in self.cache]
+        keys, values, states = [], [], None
+        for c in self._kv:
+            keys.append(mx.contiguous(c.keys[row : row + 1, :, :n, :]))
+            values.append(mx.contiguous(c.values[row : row + 1, :, :n, :]))
+        if self._states:
+            # A state holds exactly the row's positions: saved only at the row's end (the
+            # scheduler saves a hybrid row's whole cached sequence), before any lookahead.
+            if n != committed:
+                raise RuntimeError(f"a recurrent state of {committed} positions saved as {n}")
+            states = []
+            for i, c in enumerate(self._states):
+                if ahead is not None:
+                    before = ahead.state_before[i]
+                    states.append([None if a is None else mx.contiguous(a[row : row + 1])
+                                   for a in before])  # fmt: skip
+                else:
+                    states.append(c.row_state(row))
         features = None
         if state in self._feature_journal.rows:
             self._gather_feature_log()
         if state.feature_log:
             features = mx.concatenate(state.feature_log, axis=0)[:n]
-        entry = PrefixEntry(keys, values, features, n)
+        entry = PrefixEntry(keys, values, features, n, states)
         self.prefix_entries[save.entry_id] = entry
         self._to_eval += entry.arrays()
 
@@ -841,17 +909,22 @@ class ModelRunner:
         short context, as (batch, width, seconds) — seeds the adaptive controller's cost curve."""
         samples = []
         for width in widths:
-            cache = [RaggedKVCache(1) for _ in self.target.layers]
+            cache = self.target.new_cache(1)
             logits, _ = self.target(mx.zeros((1, context), dtype=mx.int32), cache)
             mx.eval(logits)
             timings = []
             for _ in range(repeats):
+                before = [c.snapshot() for c in cache if isinstance(c, RaggedStateCache)]
                 started = time.perf_counter()
                 logits, _ = self.target(mx.zeros((1, width), dtype=mx.int32), cache)
                 mx.eval(mx.argmax(logits, axis=-1))
                 timings.append(time.perf_counter() - started)
+                states = iter(before)
                 for layer_cache in cache:
-                    layer_cache.trim_rows([width])
+                    if isinstance(layer_cache, RaggedStateCache):
+                        layer_cache.restore(next(states))
+                    else:
+                        layer_cache.trim_rows([width])
             samples.append((1, width, min(timings)))
         return samples
 
@@ -875,10 +948,10 @@ class ModelRunner:
     def cache_lengths(self) -> dict[str, int]:
         """Committed target cache length of every decoding row (for invariant checks); a
         looked-ahead position is not committed yet."""
-        if not self.cache:
+        if not self._kv:
             return {}
         ahead = 1 if self._lookahead is not None else 0
-        return {r: n - ahead for r, n in zip(self.rows, self.cache[0].lengths)}
+        return {r: n - ahead for r, n in zip(self.rows, self._kv[0].lengths)}
 
     def lookup_sessions(self) -> dict[str, LookupSession]:
         """Every decoding row's lookup session (for statistics and checks)."""
@@ -895,6 +968,8 @@ class ModelRunner:
 
     def bytes_per_token(self) -> int:
         """KV bytes one cached token costs in the target (for admission budgets)."""
+        if self.target.hybrid:
+            return self._probe_bytes()[0]
         model = self.target.model
         args = getattr(model, "args", None)
         n_kv = getattr(args, "num_key_value_heads", None) or getattr(args, "num_attention_heads", 1)
@@ -903,6 +978,23 @@ class ModelRunner:
         )
         itemsize = self.target.dtype.size
         return 2 * self.target.num_layers * n_kv * head_dim * itemsize
+
+    def bytes_per_row(self) -> int:
+        """Bytes a row costs whatever its length: a hybrid target's recurrent states."""
+        return self._probe_bytes()[1] if self.target.hybrid else 0
+
+    def _probe_bytes(self) -> tuple[int, int]:
+        """(KV bytes per position, state bytes per row), read off a one-token forward's
+        caches: the attention layers' allocated buffers per position of capacity, and the
+        state arrays (whatever the family's shapes and dtypes)."""
+        if not hasattr(self, "_probed"):
+            cache = self.target.new_cache(1)
+            self.target(mx.zeros((1, 1), dtype=mx.int32), cache)
+            mx.eval([c.arrays() for c in cache])
+            kv = sum(c.nbytes // c.keys.shape[2] for c in cache if isinstance(c, RaggedKVCache))
+            state = sum(c.nbytes for c in cache if isinstance(c, RaggedStateCache))
+            self._probed = (kv, state)
+        return self._probed
 
 
 def _accepted(drafts: mx.array, targets: mx.array, depths: list[int]) -> mx.array:

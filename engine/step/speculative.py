@@ -23,7 +23,9 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from drafters.base import Drafter, DraftSession
 from engine.errors import InvalidRequest
+from engine.step.recurrent import replay
 from engine.step.sampling import SamplingParams, request_stream, sample
+from engine.step.state_cache import RaggedStateCache
 from engine.step.stopping import StopChecker, eos_ids_of
 from engine.step.target import TargetAdapter
 
@@ -91,7 +93,11 @@ def generate(
     if params.num_speculative_tokens is not None:
         depth_cap = min(depth_cap, params.num_speculative_tokens)
 
-    cache = target.make_cache()
+    # A hybrid target (recurrent-state layers) takes the engine's caches: mlx-lm's would
+    # refuse the trim, and a verify's rejected positions must be replayed out of the states.
+    cache = target.new_cache(1) if target.hybrid else target.make_cache()
+    states = [c for c in cache if isinstance(c, RaggedStateCache)]
+    attention = next(c for c in cache if not isinstance(c, RaggedStateCache))
     session: DraftSession | None = drafter.open(prompt_ids) if drafter is not None else None
     stream = None if params.greedy else request_stream(params.seed)
     steps: list[StepStats] = []
@@ -99,7 +105,7 @@ def generate(
     def state() -> StepState:
         return StepState(
             committed=len(prompt_ids) + len(stop.token_ids),
-            target_cache_length=int(cache[0].offset),
+            target_cache_length=(attention.lengths[0] if states else int(attention.offset)),
             draft_context_rows=session.context_rows if session is not None else 0,
             draft_pending_rows=session.pending_rows if session is not None else 0,
         )
@@ -124,7 +130,11 @@ def generate(
             if depth > 0:
                 drafts = drafter.propose([session], [token], [depth]).tokens[0, :depth]
                 verify_ids = mx.concatenate([verify_ids, drafts])
+            for layer_cache in states:
+                layer_cache.recording = depth > 0
             logits, features = target(verify_ids[None], cache)
+            for layer_cache in states:
+                layer_cache.recording = False
             target_tokens = sample(logits[0], params, stream)
             if depth > 0:
                 matches = (drafts == target_tokens[:depth]).astype(mx.int32)
@@ -134,7 +144,15 @@ def generate(
             mx.eval(target_tokens, accepted_len)  # the step's one host sync
             accepted = int(accepted_len.item())
             committed = target_tokens[: accepted + 1].tolist()
-            trim_prompt_cache(cache, depth - accepted)
+            if states:
+                for layer_cache in cache:
+                    if isinstance(layer_cache, RaggedStateCache):
+                        if depth > 0:
+                            replay(layer_cache, [accepted + 1])
+                    else:
+                        layer_cache.trim_rows([depth - accepted])
+            else:
+                trim_prompt_cache(cache, depth - accepted)
             if session is not None:
                 # positions now in the target cache: the anchor and the accepted drafts
                 cached_tokens = [token] + committed[:accepted]

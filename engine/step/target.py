@@ -16,6 +16,12 @@ import mlx.nn as nn
 
 from drafters.base import TargetShape
 from engine.step.packed import SUPPORTED_MODULES  # the families whose logits are the head's alone
+from engine.step.recurrent import (
+    UnsupportedHybridError,
+    cache_layout,
+    install_recorders,
+    make_caches,
+)
 
 
 class UnsupportedTargetError(ValueError):
@@ -110,6 +116,17 @@ class TargetAdapter:
                 f"cannot tap layers {bad}: model type {self.model_type!r} has "
                 f"{len(self.layers)} decoder layers"
             )
+        # Per layer: None (attention: a ragged KV cache) or how many state arrays a recurrent
+        # layer keeps (`engine.step.recurrent`); an unsupported layout fails here, named.
+        try:
+            self.cache_layout = cache_layout(model, self.layers, self.model_type)
+        except UnsupportedHybridError as e:
+            raise UnsupportedTargetError(str(e)) from None
+        if self.hybrid:
+            try:
+                install_recorders(self.layers, self.cache_layout, self.model_type)
+            except UnsupportedHybridError as e:
+                raise UnsupportedTargetError(str(e)) from None
         self.layer_ids = list(layer_ids)
         self._store = _FeatureStore(len(layer_ids))
         for slot, index in enumerate(layer_ids):
@@ -121,6 +138,23 @@ class TargetAdapter:
             layer._flashbatch_slot = slot
 
     # ----------------------------------------------------------------- facts
+    @property
+    def hybrid(self) -> bool:
+        """Does any layer keep a recurrent state (rolled back by replay, verified padded)?"""
+        return any(n is not None for n in self.cache_layout)
+
+    def new_cache(self, batch: int = 0) -> list[Any]:
+        """Empty per-layer batch caches of `batch` rows (ragged KV or recurrent state)."""
+        return make_caches(self.cache_layout, batch)
+
+    def _head(self) -> nn.Module | None:
+        """The untied LM head, wherever the family keeps it (VLM-style wrappers nest it)."""
+        for node in (self.model, getattr(self.model, "language_model", None)):
+            head = getattr(node, "lm_head", None) if node is not None else None
+            if head is not None:
+                return head
+        return None
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)
@@ -200,7 +234,7 @@ class TargetAdapter:
 
     def unembed(self, hidden: mx.array) -> mx.array:
         """The target's LM head applied to already-normed hidden states (tied or not)."""
-        head = getattr(self.model, "lm_head", None)
+        head = self._head()
         if head is not None:
             return head(hidden)
         return self._inner.embed_tokens.as_linear(hidden)
@@ -208,7 +242,7 @@ class TargetAdapter:
     def head_rows(self, token_ids: mx.array) -> mx.array:
         """The LM head's rows [K, d] for `token_ids` (tied or not, dequantized if quantized):
         `hidden @ head_rows(ids).T` is `unembed(hidden)[..., ids]`."""
-        head = getattr(self.model, "lm_head", None)
+        head = self._head()
         if head is None:
             head = self._inner.embed_tokens
         if getattr(head, "bias", None) is not None:
@@ -243,7 +277,8 @@ class TargetAdapter:
         if not hasattr(self, "_packed"):
             from engine.step.packed import make_packed_verifier
 
-            self._packed = make_packed_verifier(self)
+            # A recurrence runs per row: hybrid rows verify padded (`engine.step.recurrent`).
+            self._packed = None if self.hybrid else make_packed_verifier(self)
         return self._packed
 
     def make_cache(self) -> list[Any]:

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
+import numpy as np
 
 from engine.models.gguf_header import GGUFError
 
@@ -71,7 +71,7 @@ PRE_TOKENIZERS: dict[str, tuple[dict | None, dict, bool]] = {
 
 def _value(meta: dict[str, Any], key: str, default: Any = None) -> Any:
     value = meta.get(key, default)
-    if isinstance(value, mx.array):
+    if isinstance(value, np.ndarray | np.generic):
         return value.tolist()
     return value
 

@@ -353,3 +353,27 @@ def test_a_new_converter_version_replaces_the_old_entry(sources, tmp_path):
     (old / "model.safetensors").write_bytes(b"old weights")
     assert resolve_target(path) == current
     assert not old.exists()
+
+
+@pytest.mark.parametrize("pre", ["default", "deepseek-llm", "deepseek-v3", "qwen35"])
+def test_pre_tokenizers_of_ollamas_library_load_and_round_trip(sources, tmp_path, pre):
+    """The splits Ollama's library ships under these names: the rebuilt tokenizer loads and
+    gives back every sample text (byte-level BPE loses nothing whatever the split)."""
+    from tokenizers import Tokenizer
+
+    source = sources["qwen3"]
+    meta = {**gf.model_metadata(source), **gf.tokenizer_metadata(source, pre)}
+    path = gf.write_float_gguf(tmp_path / "t.gguf", gf.llama_cpp_tensors(source), meta)
+    tokenizer = Tokenizer.from_file(str(resolve_target(path) / "tokenizer.json"))
+    for text in SAMPLES:
+        assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == text
+    split = [p for p, _ in tokenizer.pre_tokenizer.pre_tokenize_str("abc 12345 x")]
+    assert (
+        split
+        == {
+            "default": ["abc", "Ġ", "123", "45", "Ġx"],
+            "deepseek-llm": ["abc", "Ġ", "12345", "Ġx"],
+            "deepseek-v3": ["abc", "Ġ", "123", "45", "Ġx"],
+            "qwen35": ["abc", "Ġ", "1", "2", "3", "4", "5", "Ġx"],
+        }[pre]
+    )

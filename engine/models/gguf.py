@@ -199,6 +199,8 @@ def convert_gguf(path: str | Path, out_dir: str | Path, progress: Progress | Non
             value = value - np.float32(arch.norm_shift)
         return value.reshape(params[name])
 
+    # the tokenizer first: a vocabulary it refuses fails before minutes of dequantizing
+    write_tokenizer(meta, out_dir, model_max_length=config["max_position_embeddings"])
     report = progress or stderr_progress(path.name)
     done_bytes = [0, *accumulate(source.infos[names[name]].nbytes for name in params)]
     report(0, done_bytes[-1])
@@ -206,7 +208,6 @@ def convert_gguf(path: str | Path, out_dir: str | Path, progress: Progress | Non
                    metadata={"format": "mlx"},
                    progress=lambda done, _: report(done_bytes[done], done_bytes[-1]))  # fmt: skip
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    write_tokenizer(meta, out_dir, model_max_length=config["max_position_embeddings"])
     return config
 
 

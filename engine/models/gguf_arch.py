@@ -44,11 +44,14 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3moe": Architecture(
         "qwen3_moe", "Qwen3MoeForCausalLM", MODEL_ARCH.QWEN3MOE, qk_norm=True
     ),  # fmt: skip
-    # Phi-3: fused qkv and gate_up as in its HF checkpoint, no permutation.
+    # Phi-3: fused qkv and gate_up as in its HF checkpoint, no permutation. mlx-lm's phi3 has
+    # no sliding window (Phi-3-mini-4k's is 2047 tokens): exact up to it. LongRoPE files
+    # (rope_factors_long/short) are refused by the tensor-set check.
     "phi3": Architecture("phi3", "Phi3ForCausalLM", MODEL_ARCH.PHI3),
     # Gemma 1-3: llama.cpp's converter adds 1 to every RMSNorm weight (its norm multiplies by
     # w, Gemma's by 1 + w); mlx-lm's Gemma norm adds the 1 itself, so it is taken off again.
     # No q/k permutation. The sqrt(hidden) embedding scale is in mlx-lm's model code.
+    # mlx-lm's gemma2 has no sliding window (4,096 tokens): exact up to it.
     "gemma": Architecture("gemma", "GemmaForCausalLM", MODEL_ARCH.GEMMA, norm_shift=1.0),
     "gemma2": Architecture("gemma2", "Gemma2ForCausalLM", MODEL_ARCH.GEMMA2, norm_shift=1.0),
     "gemma3": Architecture(

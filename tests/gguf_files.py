@@ -38,6 +38,8 @@ GEMMA = ("gemma", "gemma2", "gemma3_text")
 EXTRAS = {
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 64},
     "phi3": {"original_max_position_embeddings": 4096},
     # sliding window 4 < the test prompts' 12 tokens, and 6 layers: llama.cpp's fixed pattern
     # makes layer 5 the global one
@@ -91,6 +93,10 @@ _LAYER = {
     "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
     "mlp.switch_mlp.up_proj": "ffn_up_exps",
     "mlp.switch_mlp.down_proj": "ffn_down_exps",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",  # [1, hidden] in HF, [hidden] in llama.cpp
 }
 # Gemma 2/3 have four norms per layer; post_attention_layernorm is *not* the FFN norm there.
 _GEMMA2_LAYER = {
@@ -141,6 +147,8 @@ def llama_cpp_tensors(model_dir: Path) -> dict[str, np.ndarray]:
             value = permute_rows(value, config["num_key_value_heads"])
         if model_type in GEMMA and name.endswith("norm.weight"):
             value = value + 1
+        if name.endswith("shared_expert_gate.weight"):
+            value = value.reshape(-1)
         out[gguf_name(name, model_type)] = value
     return out
 
@@ -149,10 +157,12 @@ def from_llama_cpp(values: dict[str, np.ndarray], model_dir: Path) -> dict[str, 
     """The inverse of `llama_cpp_tensors`: llama.cpp-layout values back in mlx-lm names."""
     config = json.loads((model_dir / "config.json").read_text())
     model_type = config["model_type"]
-    back = {gguf_name(name, model_type): name for name in model_weights(model_dir)}
+    shapes = {name: value.shape for name, value in model_weights(model_dir).items()}
+    back = {gguf_name(name, model_type): name for name in shapes}
     out = {}
     for g, value in values.items():
         name = back[g]
+        value = value.reshape(shapes[name])
         if model_type == "llama" and ".q_proj." in name:
             value = unpermute_rows(value, config["num_attention_heads"])
         elif model_type == "llama" and ".k_proj." in name:
@@ -222,6 +232,8 @@ def model_metadata(model_dir: Path, arch: str | None = None) -> dict:
         meta[f"{arch}.expert_count"] = c["num_experts"]
         meta[f"{arch}.expert_used_count"] = c["num_experts_per_tok"]
         meta[f"{arch}.expert_feed_forward_length"] = c["moe_intermediate_size"]
+    if arch == "qwen2moe":
+        meta[f"{arch}.expert_shared_feed_forward_length"] = c["shared_expert_intermediate_size"]
     if arch == "gemma3":
         meta[f"{arch}.attention.sliding_window"] = c["sliding_window"]
     return meta

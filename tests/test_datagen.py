@@ -174,3 +174,22 @@ def test_a_data_run_stopped_by_sigterm_is_recorded_as_a_sitting(tmp_path, monkey
     assert sitting["stage"] == "data" and sitting["records_written"] == 1
     assert "stopped by hand" in sitting["note"]
     assert len((work / "data.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_base_model_without_a_chat_template_gets_chat_prompts_as_text():
+    """`bench run --target gemma-3-270m` (a base model, no template) encodes the mix's chat
+    prompts as plain text instead of failing in transformers."""
+    from drafters.dflash.datagen import encode
+    from drafters.dflash.prompt_mix import Prompt
+
+    class BaseTokenizer:
+        chat_template = None
+
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) for c in text]
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise AssertionError("no template to apply")
+
+    prompt = Prompt(kind="chat", text="Hi", chat=True)
+    assert encode(BaseTokenizer(), prompt) == [ord("H"), ord("i")]

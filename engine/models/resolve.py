@@ -1,10 +1,12 @@
-"""What a `--target` value names: an mlx-lm directory, a `.gguf` file, or a registry name."""
+"""What a `--target` value names: an mlx-lm directory, a `.gguf` file, a registry name, or an
+Ollama model name (`ollama:qwen3:0.6b`, or a bare `name:tag` the registry does not know)."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
+from engine.models.ollama import PREFIX, looks_like_ollama_name, ollama_gguf
 from engine.models.registry import REGISTRY, lookup
 
 log = logging.getLogger(__name__)
@@ -41,9 +43,11 @@ def resolve_target(spec: str | Path) -> Path:
         from engine.models.pull import pull
 
         return pull(str(spec))
+    if looks_like_ollama_name(str(spec)):
+        return convert_cached(ollama_gguf(str(spec)))
     raise FileNotFoundError(
-        f"no model at {spec}: give an mlx-lm directory, a .gguf file or a model name "
-        f"({', '.join(REGISTRY)})"
+        f"no model at {spec}: give an mlx-lm directory, a .gguf file, a model name "
+        f"({', '.join(REGISTRY)}) or an Ollama name (ollama:NAME[:TAG])"
     )
 
 
@@ -60,4 +64,6 @@ def display_name(spec: str | Path) -> str:
     path = Path(spec).expanduser()
     if not path.exists() and lookup(str(spec)) is not None:
         return str(spec)
+    if not path.exists() and looks_like_ollama_name(str(spec)):
+        return str(spec).removeprefix(PREFIX)
     return path.stem if path.suffix == ".gguf" else path.name

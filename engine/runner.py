@@ -42,6 +42,7 @@ from engine.blas_threads import blas_threads
 from engine.feature_journal import FeatureJournal
 from engine.kv_cache import RaggedKVCache
 from engine.packed import PackedLayout, PrefillSegment
+from engine.penalties import TokenHistory
 from engine.prefix_cache import PrefixEntry, PrefixSave
 from engine.sampling import RandomStream, SamplingParams, request_stream, sample, sample_rows
 from engine.target import TargetAdapter
@@ -63,6 +64,10 @@ class _RowState:
     prompt_ids: list[int]
     params: SamplingParams
     random: RandomStream | None  # None when greedy
+    # Logit bias / penalties (`engine.penalties`): the generated tokens' counts, anchor
+    # included; None when the request has none. Such a row needs its committed tokens on
+    # the host before its next forward, so it is never looked ahead.
+    history: TokenHistory | None = None
     anchor: int = -1  # last committed token, not yet in the target cache
     session: DraftSession | None = None
     lookup: LookupSession | None = None
@@ -378,7 +383,8 @@ class ModelRunner:
     def _first_token(self, state: _RowState, logits: mx.array,
                      first_tokens: dict[str, mx.array]) -> None:  # fmt: skip
         """Sample a request's first token from its prompt's last logits [1, V]."""
-        first_tokens[state.request_id] = token = sample(logits, state.params, state.random)[0]
+        token = sample(logits, state.params, state.random, state.history)[0]
+        first_tokens[state.request_id] = token
         if state.params.logprobs is not None:
             self._first_logprobs.append(_logprobs_of([state], logits[None], token[None, None]))
 
@@ -442,6 +448,12 @@ class ModelRunner:
             self._prompt_logprobs.append(lazy)
 
     # ----------------------------------------------------------------- lookahead
+    def _host_bound(self) -> bool:
+        """A row's next forward needs its committed tokens on the host (penalty counts): no
+        step may be built on this step's lazy tokens (a lookahead built after the commit
+        is fine)."""
+        return any(self.states[r].history is not None for r in self.rows)
+
     def _lookup_due(self, watched: set[str]) -> bool:
         """A watched row now has a lookup match: the next step will likely draft, so a
         looked-ahead plain step would be thrown away."""
@@ -466,6 +478,7 @@ class ModelRunner:
             or not plan.lookahead
             or decode.width
             or any(chunk.last for chunk in plan.prefills)
+            or self._host_bound()
         ):
             return None
         mx.async_eval(decode.arrays())
@@ -553,7 +566,7 @@ class ModelRunner:
         else:
             verify_ids = anchors
         logits, features = self.target(verify_ids, self.cache)
-        targets = self._sample_rows(logits, states)
+        targets = self._sample_rows(logits, states, drafts if width else None)
         if width:
             accepted = _accepted(drafts, targets, depths)
         else:
@@ -594,8 +607,9 @@ class ModelRunner:
         logits = logits[: layout.total] if segments else logits
         # Each row samples only its own positions, with its own sampler and random stream.
         packed_targets = sample_rows(
-            logits, [s.params for s in states], [s.random for s in states], layout.widths
-        )
+            logits, [s.params for s in states], [s.random for s in states], layout.widths,
+            [s.history for s in states], drafts,
+        )  # fmt: skip
         by_row = mx.array(layout.padded_index(list(range(B)), 0, width + 1), dtype=mx.int32)
         targets = packed_targets[by_row].reshape(B, width + 1)
         if drafts is None:
@@ -661,11 +675,15 @@ class ModelRunner:
         host[mx.array(drafting)] = drafted
         return host
 
-    def _sample_rows(self, logits: mx.array, states: list[_RowState]) -> mx.array:
-        """Every verify row sampled with its request's own sampler: [B, W, V] -> [B, W]."""
+    def _sample_rows(self, logits: mx.array, states: list[_RowState],
+                     drafts: mx.array | None = None) -> mx.array:  # fmt: skip
+        """Every verify row sampled with its request's own sampler: [B, W, V] -> [B, W]
+        (`drafts` [B, W - 1]: what penalised rows count before each position)."""
         B, W, V = logits.shape
         params, streams = [s.params for s in states], [s.random for s in states]
-        return sample_rows(logits.reshape(B * W, V), params, streams, [W] * B).reshape(B, W)
+        histories = [s.history for s in states]
+        flat = logits.reshape(B * W, V)
+        return sample_rows(flat, params, streams, [W] * B, histories, drafts).reshape(B, W)
 
     def _commit(self, decode: _Decode, result: StepResult, match_lookup: bool = True) -> None:
         targets = decode.targets.tolist()
@@ -691,6 +709,8 @@ class ModelRunner:
             if logging:  # kept even for a row that does not draft with DFlash: a later hit may
                 log_blocks.append((state, start, a + 1))
             state.anchor = committed[-1]
+            if state.history is not None:
+                state.history.add(committed)
             if state.lookup is not None:
                 self.lookup.commit(state.lookup, None, cached)
                 if source == LOOKUP:
@@ -724,6 +744,11 @@ class ModelRunner:
             prompt_ids=list(admission.prompt_ids),
             params=params,
             random=None if params.greedy else request_stream(params.seed),
+            history=(
+                TokenHistory(params, admission.prompt_ids, self.target.vocab_size)
+                if params.penalised
+                else None
+            ),
             prefill_cache=[RaggedKVCache(1) for _ in self.target.layers],
         )
         if admission.prefix_entry is not None:
@@ -805,6 +830,8 @@ class ModelRunner:
                     self.drafter.commit(state.session, features, state.prompt_ids)
             state.prefill_features = []
             state.anchor = first_token
+            if state.history is not None:
+                state.history.add([first_token])
             self._open_lookup(state)
 
     def _open_lookup(self, state: _RowState) -> None:

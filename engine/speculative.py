@@ -23,6 +23,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from drafters.base import Drafter, DraftSession
 from engine.errors import InvalidRequest
+from engine.penalties import TokenHistory
 from engine.sampling import SamplingParams, request_stream, sample
 from engine.stopping import StopChecker, eos_ids_of
 from engine.target import TargetAdapter
@@ -94,6 +95,7 @@ def generate(
     cache = target.make_cache()
     session: DraftSession | None = drafter.open(prompt_ids) if drafter is not None else None
     stream = None if params.greedy else request_stream(params.seed)
+    history = TokenHistory(params, prompt_ids, target.vocab_size) if params.penalised else None
     steps: list[StepStats] = []
 
     def state() -> StepState:
@@ -112,8 +114,10 @@ def generate(
                 chunk_ids = prompt_ids[start : start + prefill_chunk]
                 drafter.commit(session, features[0], chunk_ids)
             mx.eval(logits[:, -1], [c.state for c in cache])
-        token = sample(logits[:, -1], params, stream).item()
+        token = sample(logits[:, -1], params, stream, history).item()
         stop.add([token])
+        if history is not None:
+            history.add([token])
         if on_step:
             on_step(state())
 
@@ -125,7 +129,9 @@ def generate(
                 drafts = drafter.propose([session], [token], [depth]).tokens[0, :depth]
                 verify_ids = mx.concatenate([verify_ids, drafts])
             logits, features = target(verify_ids[None], cache)
-            target_tokens = sample(logits[0], params, stream)
+            # verify position j counts drafts[:j] as generated (penalties stay exact)
+            target_tokens = sample(logits[0], params, stream, history,
+                                   drafts if depth > 0 else None)  # fmt: skip
             if depth > 0:
                 matches = (drafts == target_tokens[:depth]).astype(mx.int32)
                 accepted_len = mx.cumprod(matches).sum()
@@ -141,6 +147,8 @@ def generate(
                 drafter.commit(session, features[0, : accepted + 1], cached_tokens)
             steps.append(StepStats(drafted=depth, accepted=accepted, committed=accepted + 1))
             stop.add(committed)
+            if history is not None:
+                history.add(committed)
             token = committed[-1]
             if on_step:
                 on_step(state())

@@ -21,6 +21,7 @@ completions' logprobs start with the prompt's own tokens (the first has none).
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -33,6 +34,7 @@ import msgspec
 from engine.errors import InvalidRequest
 from engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from engine.sampling import SamplingParams
+from engine.structured import StructuredOutput
 from scheduler.sources import parse_sources
 
 
@@ -63,6 +65,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # extension (vLLM's): > 0, 1 = off
+    # extension (vLLM's names): exactly one of {"json": schema, "regex": str, "grammar": Lark
+    # str, "choice": [str], "json_object": true}
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -195,14 +200,93 @@ def refuse_unsupported(request: _SamplingFields) -> None:
         raise _refuse("modalities", 'text output only (modalities: ["text"])')
     if request.service_tier not in (None, "auto", "default"):
         raise _refuse("service_tier", 'one tier ("auto" or "default")')
-    if request.response_format is not None:
-        kind = request.response_format.get("type")
-        if kind != "text":
-            raise _refuse("response_format", f"response_format type {kind!r}")
     if request.tools:
         raise _refuse("tools", "tool calling")
     if request.tool_choice not in (None, "none", "auto"):
         raise _refuse("tool_choice", "tool calling")
+
+
+def structured_output(request: _SamplingFields) -> StructuredOutput | None:
+    """The request's output constraint: chat's `response_format` (`json_object`, or
+    `json_schema` with {name, schema, strict, description}) or the `structured_outputs`
+    extension; a malformed one is a 400 naming the field (schema errors: at admission)."""
+    response_format = getattr(request, "response_format", None)
+    extension = request.structured_outputs
+    if response_format is not None and response_format.get("type") != "text":
+        if extension is not None:
+            raise InvalidRequest("send response_format or structured_outputs, not both",
+                                 param="structured_outputs")  # fmt: skip
+        return _response_format(response_format)
+    if extension is None:
+        return None
+    param = "structured_outputs"
+    if len(extension) != 1:
+        raise InvalidRequest("structured_outputs takes exactly one of json, regex, grammar, "
+                             "choice, json_object", param=param)  # fmt: skip
+    ((key, value),) = extension.items()
+    if key == "json":
+        if isinstance(value, str):
+            value = _json_value(value, f"{param}.json")
+        if not isinstance(value, dict):
+            raise InvalidRequest("structured_outputs.json must be a JSON schema object",
+                                 param=f"{param}.json")  # fmt: skip
+        return StructuredOutput(kind="json_schema", spec=json.dumps(value), param=f"{param}.json")
+    if key in ("regex", "grammar"):
+        if not isinstance(value, str) or not value:
+            raise InvalidRequest(f"structured_outputs.{key} must be a non-empty string",
+                                 param=f"{param}.{key}")  # fmt: skip
+        return StructuredOutput(kind=key, spec=value, param=f"{param}.{key}")
+    if key == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c
+                                                          for c in value)):  # fmt: skip
+            raise InvalidRequest("structured_outputs.choice must be a list of strings",
+                                 param=f"{param}.choice")  # fmt: skip
+        pattern = "|".join(f"({re.escape(c)})" for c in value)
+        return StructuredOutput(kind="regex", spec=pattern, param=f"{param}.choice")
+    if key == "json_object":
+        if value is not True:
+            raise InvalidRequest("structured_outputs.json_object must be true",
+                                 param=f"{param}.json_object")  # fmt: skip
+        return StructuredOutput(kind="json_object", param=f"{param}.json_object")
+    raise InvalidRequest(f"unknown structured_outputs kind {key!r}: choose json, regex, "
+                         "grammar, choice or json_object", param=f"{param}.{key}")  # fmt: skip
+
+
+def _json_value(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise InvalidRequest(f"{param} is not valid JSON", param=param) from None
+
+
+def _response_format(response_format: dict[str, Any]) -> StructuredOutput:
+    kind = response_format.get("type")
+    if kind == "json_object":
+        if set(response_format) != {"type"}:
+            extra = sorted(set(response_format) - {"type"})[0]
+            raise InvalidRequest(f"unknown field {extra!r}", param=f"response_format.{extra}")
+        return StructuredOutput(kind="json_object", param="response_format")
+    if kind != "json_schema":
+        raise InvalidRequest(f"response_format type must be text, json_object or json_schema, "
+                             f"got {kind!r}", param="response_format.type")  # fmt: skip
+    spec = response_format.get("json_schema")
+    param = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise InvalidRequest("response_format.json_schema must be an object", param=param)
+    unknown = set(spec) - {"name", "schema", "strict", "description"}
+    if unknown:
+        name = sorted(unknown)[0]
+        raise InvalidRequest(f"unknown field {name!r}", param=f"{param}.{name}")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise InvalidRequest("json_schema.name must be a non-empty string", param=f"{param}.name")
+    strict = spec.get("strict", False)
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidRequest("json_schema.strict must be a boolean", param=f"{param}.strict")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise InvalidRequest("json_schema.schema must be an object", param=f"{param}.schema")
+    return StructuredOutput(kind="json_schema", spec=json.dumps(schema), strict=bool(strict),
+                            param=f"{param}.schema")  # fmt: skip
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -250,6 +334,7 @@ def sampling_params(request: _SamplingFields, max_tokens: int) -> SamplingParams
         frequency_penalty=request.frequency_penalty or 0.0,
         presence_penalty=request.presence_penalty or 0.0,
         repetition_penalty=_or(request.repetition_penalty, 1.0),
+        structured=structured_output(request),
     )
     return params
 

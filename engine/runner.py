@@ -45,6 +45,7 @@ from engine.packed import PackedLayout, PrefillSegment
 from engine.penalties import TokenHistory
 from engine.prefix_cache import PrefixEntry, PrefixSave
 from engine.sampling import RandomStream, SamplingParams, request_stream, sample, sample_rows
+from engine.structured import GrammarCompiler, RowGrammar
 from engine.target import TargetAdapter
 from scheduler.plan import Admission, PrefillChunk, RowOutcome, StepPlan, StepResult
 from scheduler.sources import DFLASH, LOOKUP
@@ -68,6 +69,8 @@ class _RowState:
     # included; None when the request has none. Such a row needs its committed tokens on
     # the host before its next forward, so it is never looked ahead.
     history: TokenHistory | None = None
+    # Structured output: the row's matcher, holding its committed tokens (`engine.structured`).
+    grammar: RowGrammar | None = None
     anchor: int = -1  # last committed token, not yet in the target cache
     session: DraftSession | None = None
     lookup: LookupSession | None = None
@@ -213,6 +216,8 @@ class ModelRunner:
         self._feature_journal: FeatureJournal[_RowState] = FeatureJournal()
         # OpenBLAS's thread count for small forwards, where an operator set one (CPU backend).
         self.blas = blas_threads()
+        # Structured output's compiler (the engine sets it: it needs the tokenizer).
+        self.grammars: GrammarCompiler | None = None
 
     @property
     def source_depths(self) -> dict[str, int]:
@@ -383,7 +388,8 @@ class ModelRunner:
     def _first_token(self, state: _RowState, logits: mx.array,
                      first_tokens: dict[str, mx.array]) -> None:  # fmt: skip
         """Sample a request's first token from its prompt's last logits [1, V]."""
-        token = sample(logits, state.params, state.random, state.history)[0]
+        mask = state.grammar.masks([]) if state.grammar is not None else None
+        token = sample(logits, state.params, state.random, state.history, mask=mask)[0]
         first_tokens[state.request_id] = token
         if state.params.logprobs is not None:
             self._first_logprobs.append(_logprobs_of([state], logits[None], token[None, None]))
@@ -452,7 +458,7 @@ class ModelRunner:
         """A row's next forward needs its committed tokens on the host (penalty counts): no
         step may be built on this step's lazy tokens (a lookahead built after the commit
         is fine)."""
-        return any(self.states[r].history is not None for r in self.rows)
+        return any(self.states[r].params.host_bound for r in self.rows)
 
     def _lookup_due(self, watched: set[str]) -> bool:
         """A watched row now has a lookup match: the next step will likely draft, so a
@@ -539,6 +545,8 @@ class ModelRunner:
         for i, source in enumerate(sources):
             if source == LOOKUP:
                 drafts = self.lookup.draft(states[i].lookup, states[i].anchor, depths[i])
+                if states[i].grammar is not None:
+                    drafts = states[i].grammar.cut(drafts)
                 lookup_drafts[i] = drafts
                 depths[i] = len(drafts)  # no match after all: the row verifies plainly
                 sources[i] = LOOKUP if drafts else None
@@ -552,21 +560,27 @@ class ModelRunner:
             raise ValueError("prefill segments need the packed forward")
         # Read before the proposal writes them.
         context_rows = sum(states[i].session.pending_rows for i in drafting)
+        masks = None
         if width or segments:
             drafts = None
             if width:
                 drafts = self._draft_matrix(states, depths, drafting, lookup_drafts, width)
+            if any(s.grammar is not None for s in states):
+                drafts, masks = self._grammar_masks(states, depths, drafts, lookup_drafts)
+                width = max(depths)
             if self.packed is not None:
-                decode = self._verify_packed(states, depths, drafts, segments)
+                decode = self._verify_packed(states, depths, drafts, segments, masks)
                 decode.drafted_rows, decode.sources = len(drafting), sources
                 decode.draft_context_rows = context_rows
                 decode.lookup_rows = len(lookup_drafts)
                 return decode
-            verify_ids = mx.concatenate([anchors, drafts], axis=1)
+            verify_ids = anchors if drafts is None else mx.concatenate([anchors, drafts], axis=1)
         else:
             verify_ids = anchors
+            if any(s.grammar is not None for s in states):
+                _, masks = self._grammar_masks(states, depths, None, {})
         logits, features = self.target(verify_ids, self.cache)
-        targets = self._sample_rows(logits, states, drafts if width else None)
+        targets = self._sample_rows(logits, states, drafts if width else None, masks)
         if width:
             accepted = _accepted(drafts, targets, depths)
         else:
@@ -583,7 +597,7 @@ class ModelRunner:
 
     def _verify_packed(
         self, states: list[_RowState], depths: list[int], drafts: mx.array | None,
-        segments: list[_Segment] = (),
+        segments: list[_Segment] = (), masks: list | None = None,
     ) -> _Decode:  # fmt: skip
         """The verify as one packed forward: row b contributes [anchor, its d_b drafts]
         (`drafts` is [B, width], each row's own drafts first; None when no row drafts), and
@@ -608,7 +622,7 @@ class ModelRunner:
         # Each row samples only its own positions, with its own sampler and random stream.
         packed_targets = sample_rows(
             logits, [s.params for s in states], [s.random for s in states], layout.widths,
-            [s.history for s in states], drafts,
+            [s.history for s in states], drafts, masks,
         )  # fmt: skip
         by_row = mx.array(layout.padded_index(list(range(B)), 0, width + 1), dtype=mx.int32)
         targets = packed_targets[by_row].reshape(B, width + 1)
@@ -675,15 +689,49 @@ class ModelRunner:
         host[mx.array(drafting)] = drafted
         return host
 
-    def _sample_rows(self, logits: mx.array, states: list[_RowState],
-                     drafts: mx.array | None = None) -> mx.array:  # fmt: skip
+    def _sample_rows(
+        self, logits: mx.array, states: list[_RowState], drafts: mx.array | None = None,
+        masks: list | None = None,
+    ) -> mx.array:  # fmt: skip
         """Every verify row sampled with its request's own sampler: [B, W, V] -> [B, W]
-        (`drafts` [B, W - 1]: what penalised rows count before each position)."""
+        (`drafts` [B, W - 1]: what penalised rows count before each position; `masks`:
+        constrained rows' grammar bitmasks)."""
         B, W, V = logits.shape
         params, streams = [s.params for s in states], [s.random for s in states]
         histories = [s.history for s in states]
         flat = logits.reshape(B * W, V)
-        return sample_rows(flat, params, streams, [W] * B, histories, drafts).reshape(B, W)
+        tokens = sample_rows(flat, params, streams, [W] * B, histories, drafts, masks)
+        return tokens.reshape(B, W)
+
+    def _grammar_masks(
+        self, states: list[_RowState], depths: list[int], drafts: mx.array | None,
+        lookup_drafts: dict[int, list[int]],
+    ) -> tuple[mx.array | None, list]:  # fmt: skip
+        """Structured rows: drafts cut at the first token the grammar rejects (`depths` is
+        updated in place; lookup drafts were cut when drafted, DFlash ones need their values
+        here: one sync, only when such a row drafts with DFlash), and each row's bitmasks for
+        every verify position, the bonus included. Returns the draft matrix (narrowed to the
+        new widest depth; None when no row drafts any more) and the per-row masks."""
+        host = None
+        if drafts is not None and any(
+            s.grammar is not None and depths[i] and i not in lookup_drafts
+            for i, s in enumerate(states)
+        ):
+            host = drafts.tolist()
+        masks: list = [None] * len(states)
+        for i, state in enumerate(states):
+            if state.grammar is None:
+                continue
+            row = lookup_drafts.get(i)
+            if row is None:
+                row = host[i][: depths[i]] if host is not None and depths[i] else []
+                row = state.grammar.cut(row)
+            depths[i] = len(row)
+            masks[i] = state.grammar.masks(row)
+        width = max(depths, default=0)
+        if drafts is not None:
+            drafts = drafts[:, :width] if width else None
+        return drafts, masks
 
     def _commit(self, decode: _Decode, result: StepResult, match_lookup: bool = True) -> None:
         targets = decode.targets.tolist()
@@ -711,6 +759,11 @@ class ModelRunner:
             state.anchor = committed[-1]
             if state.history is not None:
                 state.history.add(committed)
+            if state.grammar is not None:
+                state.grammar.commit(committed)
+            # The draws of the positions past the bonus go back: the row's k-th generated token
+            # always takes its k-th uniform, so seeded output is the same at every depth.
+            state.give_back(state.draws - trims[i])
             if state.lookup is not None:
                 self.lookup.commit(state.lookup, None, cached)
                 if source == LOOKUP:
@@ -748,6 +801,9 @@ class ModelRunner:
                 TokenHistory(params, admission.prompt_ids, self.target.vocab_size)
                 if params.penalised
                 else None
+            ),
+            grammar=(
+                self.grammars.matcher(params.structured) if params.structured is not None else None
             ),
             prefill_cache=[RaggedKVCache(1) for _ in self.target.layers],
         )
@@ -832,6 +888,8 @@ class ModelRunner:
             state.anchor = first_token
             if state.history is not None:
                 state.history.add([first_token])
+            if state.grammar is not None:
+                state.grammar.commit([first_token])
             self._open_lookup(state)
 
     def _open_lookup(self, state: _RowState) -> None:

@@ -17,11 +17,12 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 
-from engine import penalties
+from engine import penalties, structured
 from engine.cpu_kernels import fast_exp
 from engine.errors import InvalidRequest
 from engine.logprobs import MAX_TOP_LOGPROBS
 from engine.penalties import TokenHistory
+from engine.structured import StructuredOutput
 from scheduler.sources import ALL_SOURCES
 
 
@@ -53,10 +54,19 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # The output must match this JSON schema / JSON object / regex / Lark grammar
+    # (`engine.structured`: per-row masks at every verify position).
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def host_bound(self) -> bool:
+        """Whether each forward needs the row's committed tokens on the host first (penalty
+        counts, grammar state): no step is built on a previous step's lazy tokens."""
+        return self.penalised or self.structured is not None
 
     @property
     def penalised(self) -> bool:
@@ -106,6 +116,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise InvalidRequest(
                 f"prompt_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, "
                 f"got {self.prompt_logprobs!r}"
+            )
+        if self.structured is not None and self.ignore_eos:
+            raise InvalidRequest(
+                "ignore_eos cannot be combined with structured output: a finished grammar "
+                "ends the output with EOS",
+                param="ignore_eos",
             )
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
@@ -212,11 +228,13 @@ def sample(
     stream: RandomStream | None,
     history: TokenHistory | None = None,
     drafts: mx.array | None = None,
+    mask: np.ndarray | None = None,
 ) -> mx.array:
     """One token per row of `logits` [N, V], rows drawn independently (row j penalised as if
-    `drafts[:j]` were generated, where a `history` is given). Lazy (no sync)."""
+    `drafts[:j]` were generated, where a `history` is given; constrained to the grammar's
+    `mask` bitmasks [N, words]). Lazy (no sync)."""
     drafts = None if drafts is None else drafts[None]
-    return sample_rows(logits, [params], [stream], [logits.shape[0]], [history], drafts)
+    return sample_rows(logits, [params], [stream], [logits.shape[0]], [history], drafts, [mask])
 
 
 def sample_rows(
@@ -226,6 +244,7 @@ def sample_rows(
     widths: Sequence[int],
     histories: Sequence[TokenHistory | None] | None = None,
     drafts: mx.array | None = None,
+    masks: Sequence[np.ndarray | None] | None = None,
 ) -> mx.array:
     """One token per position of `logits` [N, V], where request b owns the next `widths[b]`
     positions and draws them with its own `params[b]` and `streams[b]` (None when greedy;
@@ -242,9 +261,14 @@ def sample_rows(
 
     `histories[b]` (None: not penalised) applies request b's logit bias and penalties
     (`engine.penalties`) first, position j of the request counting `drafts[b, :j]` (its
-    draft tokens, [B, >= widths[b] - 1]) as generated."""
+    draft tokens, [B, >= widths[b] - 1]) as generated. `masks[b]` (None: unconstrained) are
+    the request's grammar bitmasks, one per position (`engine.structured`): disallowed
+    tokens get -inf and, sampled, weigh exactly 0."""
     if histories is not None:
         logits = penalties.apply(logits, histories, widths, drafts)
+    constrained = masks is not None and any(m is not None for m in masks)
+    if constrained:
+        logits = structured.apply(logits, masks, widths)
     greedy = [p.greedy for p in params]
     if all(greedy):
         return mx.argmax(logits, axis=-1).astype(mx.int32)
@@ -257,12 +281,15 @@ def sample_rows(
         drawn = sample_rows(
             logits[index], [params[b] for b in sampled], [streams[b] for b in sampled],
             [widths[b] for b in sampled],
+            masks=[masks[b] for b in sampled] if constrained else None,
         )  # fmt: skip
         tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
         tokens[index] = drawn
         return tokens
     uniforms = draw_uniforms(streams, widths)
-    if any(_filters(p) for p in params):  # per request: filters differ
+    if constrained or any(_filters(p) for p in params):  # per request: filters differ
+        # (masked logits go this way too: their -inf must weigh exactly 0, which `fast_exp`
+        # alone does not give)
         parts, start = [], 0
         for p, w in zip(params, widths):
             parts.append(_filtered_weights(logits[start : start + w], p))

@@ -139,6 +139,8 @@ def generate(
                 accepted_len = mx.array(0)
             mx.eval(target_tokens, accepted_len)  # the step's one host sync
             accepted = int(accepted_len.item())
+            if stream is not None:  # the rejected positions' draws go back (as the engine's)
+                stream.drawn -= depth - accepted
             committed = target_tokens[: accepted + 1].tolist()
             trim_prompt_cache(cache, depth - accepted)
             if session is not None:

@@ -10,7 +10,7 @@ is never mistaken for a setting that took effect. The extensions served are vLLM
 `num_speculative_tokens` and `draft_sources`. Accepted without effect, because they ask for
 nothing the server could do otherwise: `user` and `safety_identifier` (identifiers),
 `prompt_cache_key` (the prefix cache is automatic), `service_tier` "auto"/"default",
-`store: false`, `modalities: ["text"]`, `parallel_tool_calls` without tools.
+`store: false`, `modalities: ["text"]`. Tools and tool messages: `engine.tool_calls`.
 
 Logprobs follow OpenAI's shapes: completions `logprobs: n` (0-5) gives
 `{tokens, token_logprobs, top_logprobs, text_offset}`; chat `logprobs: true` with
@@ -200,10 +200,6 @@ def refuse_unsupported(request: _SamplingFields) -> None:
         raise _refuse("modalities", 'text output only (modalities: ["text"])')
     if request.service_tier not in (None, "auto", "default"):
         raise _refuse("service_tier", 'one tier ("auto" or "default")')
-    if request.tools:
-        raise _refuse("tools", "tool calling")
-    if request.tool_choice not in (None, "none", "auto"):
-        raise _refuse("tool_choice", "tool calling")
 
 
 def structured_output(request: _SamplingFields) -> StructuredOutput | None:
@@ -405,23 +401,21 @@ def prompts(prompt: Any) -> list[str | list[int]]:
 
 _MESSAGE_FIELDS_REFUSED = {
     "name": "participant names (the chat templates served have no place for them)",
-    "tool_calls": "tool calling",
-    "tool_call_id": "tool calling",
     "audio": "audio",
     "refusal": "assistant refusals in the history",
 }
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as the chat template takes them. `developer` is OpenAI's newer name for
-    `system` and is passed as that; fields the template cannot carry are refused by name."""
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them (`engine.tool_calls.render` finishes
+    them). `developer` is OpenAI's newer name for `system` and is passed as that; fields the
+    template cannot carry are refused by name."""
     out = []
     for i, message in enumerate(messages):
         for name, why in _MESSAGE_FIELDS_REFUSED.items():
             if getattr(message, name) is not None:
                 raise _refuse(f"messages[{i}].{name}", why)
-        if message.role == "tool":
-            raise _refuse(f"messages[{i}].role", "tool messages (tool calling)")
+        extra = _tool_fields(i, message)
         content = message.content
         if isinstance(content, list):  # content parts: text ones only, joined
             for j, part in enumerate(content):
@@ -432,10 +426,41 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                     )
             content = "".join(part.text for part in content)
         role = "system" if message.role == "developer" else message.role
-        out.append({"role": role, "content": content or ""})
+        out.append({"role": role, "content": content or "", **extra})
     if not out:
         raise InvalidRequest("messages must not be empty", param="messages")
     return out
+
+
+def _tool_fields(i: int, message: ChatMessage) -> dict[str, Any]:
+    """An assistant message's `tool_calls` and a tool message's `tool_call_id`, checked."""
+    if message.tool_calls is not None:
+        if message.role != "assistant":
+            raise InvalidRequest("only assistant messages carry tool_calls",
+                                 param=f"messages[{i}].tool_calls")  # fmt: skip
+        for j, call in enumerate(message.tool_calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not (
+                isinstance(function, dict)
+                and call.get("type", "function") == "function"
+                and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments", ""), str)
+            ):
+                raise InvalidRequest(
+                    'a tool call is {"id", "type": "function", "function": {"name", '
+                    '"arguments": "<JSON string>"}}',
+                    param=f"messages[{i}].tool_calls[{j}]",
+                )
+        return {"tool_calls": message.tool_calls}
+    if message.role == "tool":
+        if not message.tool_call_id:
+            raise InvalidRequest("a tool message needs the tool_call_id it answers",
+                                 param=f"messages[{i}].tool_call_id")  # fmt: skip
+        return {"tool_call_id": message.tool_call_id}
+    if message.tool_call_id is not None:
+        raise InvalidRequest("only tool messages carry tool_call_id",
+                             param=f"messages[{i}].tool_call_id")  # fmt: skip
+    return {}
 
 
 # ----------------------------------------------------------------------------- responses
@@ -558,17 +583,22 @@ class Totals:
         return totals
 
 
-def completion_body(rid: str, model: str, texts: list[str], outputs: list[Any], chat: bool,
-                    logprobs: list[dict | None]) -> dict:  # fmt: skip
+def completion_body(rid: str, model: str, texts: list[str | None], outputs: list[Any],
+                    chat: bool, logprobs: list[dict | None],
+                    tool_calls: list | None = None) -> dict:  # fmt: skip
     """The whole response; choice i is prompt i's (completions with batched prompts), chat
-    has one."""
+    has one (with `tool_calls` when the answer called tools: finish_reason `tool_calls`)."""
     created = int(time.time())
     choices = []
     for index, (text, output, entries) in enumerate(zip(texts, outputs, logprobs)):
         if chat:
             message = {"role": "assistant", "content": text}
+            reason = output.finish_reason
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+                reason = "tool_calls" if reason == "stop" else reason
             choices.append({"index": index, "message": message, "logprobs": entries,
-                            "finish_reason": output.finish_reason})  # fmt: skip
+                            "finish_reason": reason})  # fmt: skip
         else:
             choices.append({"index": index, "text": text, "logprobs": entries,
                             "finish_reason": output.finish_reason})  # fmt: skip
@@ -586,13 +616,16 @@ def completion_body(rid: str, model: str, texts: list[str], outputs: list[Any], 
 
 def chunk_body(rid: str, model: str, created: int, chat: bool, text: str | None,
                finish_reason: str | None, role: bool = False,
-               logprobs: dict | None = None, index: int = 0) -> dict:  # fmt: skip
+               logprobs: dict | None = None, index: int = 0,
+               tool_calls: list | None = None) -> dict:  # fmt: skip
     if chat:
-        delta: dict[str, str] = {}
+        delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "logprobs": logprobs,
                   "finish_reason": finish_reason}  # fmt: skip
         kind = "chat.completion.chunk"

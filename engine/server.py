@@ -35,6 +35,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from engine import openai_api as api
+from engine import tool_calls
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineClosed, InvalidRequest
 from engine.http_errors import ErrorBoundary, HTTPError, exception_handlers, json_response
@@ -157,7 +158,10 @@ class FlashbatchServer:
         parsed = api.decode_request(body, kind)
         self._check_model(parsed.model)
         api.refuse_unsupported(parsed)
-        prompts, max_tokens = self._prompt(parsed, chat)
+        tools = None
+        if chat:
+            tools = tool_calls.setup(parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls)
+        prompts, max_tokens = self._prompt(parsed, chat, tools)
         # Batched prompts (completions): each is its own request in the batch, choice i.
         runs: list[_Run] = []
         try:
@@ -166,8 +170,11 @@ class FlashbatchServer:
                 if shape.prompt_ids is not None:
                     prompt = shape.prompt_ids
                 params = api.sampling_params(parsed, 1 if shape.score_only else max_tokens)
+                if tools is not None and tools.active:
+                    params = _with_tools(params, tools)
                 request_id, stream = self.engine.add_request(prompt, params)
-                runs.append(_Run(request_id, self.engine.outputs(request_id, stream), shape))
+                outputs = self.engine.outputs(request_id, stream)
+                runs.append(_Run(request_id, outputs, shape, tools))
                 if params.logprobs is not None:
                     offset = 0 if shape.prompt_ids is not None else len(shape.echo)
                     shape.formatter = api.LogprobsFormatter(self.engine.tokenizer, chat, offset)
@@ -196,17 +203,21 @@ class FlashbatchServer:
             prompt_ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
         return _Shape(echo=echo, prompt_ids=prompt_ids, score_only=max_tokens == 0)
 
-    def _prompt(self, parsed: Any, chat: bool) -> tuple[list[Any], int]:
+    def _prompt(self, parsed: Any, chat: bool,
+                tools: tool_calls.ToolSetup | None = None) -> tuple[list[Any], int]:  # fmt: skip
         """The request's prompts (one for chat; completions may batch several) and its
         max_tokens."""
         cap = self.settings.max_tokens_cap
         if chat:
-            messages = api.chat_messages(parsed.messages)
             tokenizer = self.engine.tokenizer
             if not getattr(tokenizer, "chat_template", None):
                 raise InvalidRequest("this model has no chat template; use /v1/completions")
+            native = tool_calls.template_takes_tools(tokenizer)
+            messages = api.chat_messages(parsed.messages)
+            messages, extra = tool_calls.render(messages, tools or tool_calls.ToolSetup(), native)
             try:
-                prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+                prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                            **extra))  # fmt: skip
             except Exception as exc:  # the template's own checks (roles, order) raise anything
                 raise InvalidRequest(f"the chat template rejected the messages: {exc}",
                                      param="messages") from None  # fmt: skip
@@ -235,6 +246,7 @@ class FlashbatchServer:
         name, created = self.engine.model_name, int(time.time())
         echoes = [run.shape.echo for run in runs]
         last: dict[int, Any] = {}
+        parsers = [tool_calls.StreamParser(r.tools) if r.active_tools else None for r in runs]
         try:
             if chat:
                 yield _event(api.chunk_body(rid, name, created, True, "", None, role=True))
@@ -250,10 +262,16 @@ class FlashbatchServer:
                 logprobs = None
                 if shape.formatter is not None and output.logprobs:
                     logprobs = shape.formatter.format(output.logprobs)
-                if output.text or output.finished or logprobs is not None:
+                text, calls, parser = output.text, None, parsers[index]
+                if parser is not None:
+                    text, calls = parser.feed(text, final=output.finished)
+                if text or calls or output.finished or logprobs is not None:
                     reason = output.finish_reason if output.finished else None
-                    yield _event(api.chunk_body(rid, name, created, chat, output.text, reason,
-                                                logprobs=logprobs, index=index))  # fmt: skip
+                    if reason == "stop" and parser is not None and parser.calls:
+                        reason = "tool_calls"
+                    yield _event(api.chunk_body(rid, name, created, chat, text, reason,
+                                                logprobs=logprobs, index=index,
+                                                tool_calls=calls))  # fmt: skip
             if include_usage and last:
                 yield _event(api.usage_chunk(rid, name, created, chat, list(last.values())))
             yield b"data: [DONE]\n\n"
@@ -304,8 +322,12 @@ class FlashbatchServer:
             logprobs.append(None if formatter is None else
                             api.join_logprobs(prompt_logprobs[index],
                                               formatter.format(entries[index])))  # fmt: skip
-        body = api.completion_body(rid, self.engine.model_name, ["".join(t) for t in texts],
-                                   last, chat, logprobs)  # fmt: skip
+        answers: list[str | None] = ["".join(t) for t in texts]
+        calls = None
+        if runs[0].active_tools:  # chat: one run
+            answers[0], calls = tool_calls.parse(answers[0], runs[0].tools)
+        body = api.completion_body(rid, self.engine.model_name, answers, last, chat, logprobs,
+                                   calls)  # fmt: skip
         return json_response(body)
 
     # ----------------------------------------------------------------- checks
@@ -391,6 +413,23 @@ class _Run:
     request_id: str
     outputs: AsyncIterator[Any]
     shape: _Shape
+    tools: tool_calls.ToolSetup | None = None
+
+    @property
+    def active_tools(self) -> bool:
+        return self.tools is not None and self.tools.active
+
+
+def _with_tools(params: Any, tools: tool_calls.ToolSetup) -> Any:
+    """A tools request's sampling: `required`/named choices constrained by their grammar;
+    other output constraints cannot be combined with tools."""
+    if params.structured is not None:
+        raise InvalidRequest("response_format and structured_outputs cannot be combined with "
+                             "tools (send tool_choice: none)", param="response_format")  # fmt: skip
+    grammar = tool_calls.grammar(tools)
+    if grammar is None:
+        return params
+    return msgspec.structs.replace(params, structured=grammar)
 
 
 @dataclass

@@ -71,29 +71,20 @@ REFUSED = [
     (CHAT, _chat(messages=[{"role": "user", "content": "x", "name": "ann"}]), "messages[0].name"),
     (
         CHAT,
-        _chat(
-            messages=[
-                *USER,
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {
-                            "id": "c",
-                            "type": "function",
-                            "function": {"name": "f", "arguments": "{}"},
-                        }
-                    ],
-                },
-            ]
-        ),
-        "messages[1].tool_calls",
-    ),  # fmt: skip
+        _chat(messages=[{"role": "user", "content": "x", "tool_calls": []}]),
+        "messages[0].tool_calls",
+    ),
     (
         CHAT,
-        _chat(messages=[*USER, {"role": "tool", "content": "1", "tool_call_id": "c"}]),
-        "messages[1].tool_call_id",
-    ),  # fmt: skip
+        _chat(messages=[{"role": "user", "content": "x", "tool_call_id": "c"}]),
+        "messages[0].tool_call_id",
+    ),
+    (
+        CHAT,
+        _chat(messages=[*USER, {"role": "assistant", "tool_calls": [{"function": 5}]}]),
+        "messages[1].tool_calls[0]",
+    ),
+    (CHAT, _chat(messages=[*USER, {"role": "tool", "content": "1"}]), "messages[1].tool_call_id"),
     (CHAT, _chat(functions=[{"name": "f"}]), "functions"),
     (CHAT, _chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
     (CHAT, _chat(modalities=["text", "audio"]), "modalities"),

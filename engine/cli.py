@@ -193,6 +193,7 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         read_timeout=args.request_read_timeout,
         max_connections=args.max_connections,
+        tool_call_parser=args.tool_call_parser,
     )
     return serve(AsyncEngine(config), settings, args.host, args.port, args.log_level)
 
@@ -278,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--max-body-bytes", type=int, default=_env("MAX_BODY_BYTES", 1 << 20, int))
     srv.add_argument("--max-tokens-cap", type=int, default=_env("MAX_TOKENS_CAP", 4096, int))
+    srv.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=_env("TOOL_CALL_PARSER", None, str),
+        help="the tool-call format asked for and parsed (default: chosen by the chat template)",
+    )
     srv.add_argument(
         "--drain-timeout",
         type=float,

@@ -55,6 +55,7 @@ class ServerSettings:
     drain_timeout: float = 30.0
     read_timeout: float = 30.0  # headers, then the body, must each arrive within this
     max_connections: int = 512  # open connections; one more is closed when accepted
+    tool_call_parser: str | None = None  # "hermes" | "llama3_json"; None: by the chat template
 
 
 def _client_left(phase: str) -> HTTPError:
@@ -160,7 +161,9 @@ class FlashbatchServer:
         api.refuse_unsupported(parsed)
         tools = None
         if chat:
-            tools = tool_calls.setup(parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls)
+            parser = tool_calls.choose_parser(self.engine.tokenizer, self.settings.tool_call_parser)
+            tools = tool_calls.setup(parsed.tools, parsed.tool_choice,
+                                     parsed.parallel_tool_calls, parser)  # fmt: skip
         prompts, max_tokens = self._prompt(parsed, chat, tools)
         # Batched prompts (completions): each is its own request in the batch, choice i.
         runs: list[_Run] = []

@@ -22,6 +22,12 @@ calls; one when `parallel_tool_calls` is false) whose arguments follow each func
 `parameters` schema, so it is always a valid call. History goes back through the template:
 assistant `tool_calls` and `tool` messages natively where the template takes tools, else as
 the same `<tool_call>` text and `<tool_response>` user turns.
+
+Llama 3.x templates (they mention `<|python_tag|>` or the `ipython` role) get the
+`llama3_json` parser instead: the whole answer is the call, `{"name": ..., "parameters":
+{...}}` (several separated by `;`), optionally after `<|python_tag|>`; `required`/named
+choices are constrained to that form. `flashbatch serve --tool-call-parser hermes|llama3_json`
+overrides the choice.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from engine.errors import InvalidRequest
 from engine.structured import JSON_OPTIONS, StructuredOutput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+PARSERS = ("hermes", "llama3_json")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -48,6 +56,7 @@ class ToolSetup:
     mode: str = "none"  # none | auto | required | named
     name: str | None = None  # the named function
     parallel: bool = True
+    parser: str = "hermes"  # PARSERS: the call format asked for and parsed
 
     @property
     def active(self) -> bool:
@@ -59,13 +68,24 @@ class ToolSetup:
         return {t["function"]["name"] for t in self.tools}
 
 
-def setup(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None) -> ToolSetup:
+def choose_parser(tokenizer: Any, override: str | None = None) -> str:
+    """The call format: the override where given, else by the chat template."""
+    if override is not None:
+        return override
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, str) and (PYTHON_TAG in template or "ipython" in template):
+        return "llama3_json"
+    return "hermes"
+
+
+def setup(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None,
+          parser: str = "hermes") -> ToolSetup:  # fmt: skip
     """Validate `tools` and `tool_choice` (a 400 naming the field at fault)."""
     checked = [_tool(i, tool) for i, tool in enumerate(tools or [])]
     names = [t["function"]["name"] for t in checked]
     if len(set(names)) != len(names):
         raise InvalidRequest("tool function names must be unique", param="tools")
-    out = ToolSetup(checked, parallel=parallel is not False)
+    out = ToolSetup(checked, parallel=parallel is not False, parser=parser)
     if tool_choice is None:
         out.mode = "auto" if checked else "none"
     elif tool_choice in ("none", "auto", "required"):
@@ -197,20 +217,25 @@ def grammar(tools: ToolSetup) -> StructuredOutput | None:
         return None
     chosen = [t for t in tools.tools if tools.mode == "required" or
               t["function"]["name"] == tools.name]  # fmt: skip
+    key = "parameters" if tools.parser == "llama3_json" else "arguments"
     variants = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": t["function"]["name"]},
-                "arguments": t["function"]["parameters"],
+                key: t["function"]["parameters"],
             },
-            "required": ["name", "arguments"],
+            "required": ["name", key],
             "additionalProperties": False,
         }
         for t in chosen
     ]
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
     schema = {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
+    if tools.parser == "llama3_json":
+        repeat = ' ("; " body)*' if tools.parallel else ""
+        lark = f"start: body{repeat}\nbody: %json {json.dumps(schema)}\n"
+        return StructuredOutput(kind="grammar", spec=lark, param="tools")
     repeat = ' ("\\n" call)*' if tools.parallel else ""
     lark = (
         f"start: call{repeat}\n"
@@ -242,9 +267,36 @@ def _call(body: str, names: set[str]) -> dict[str, Any] | None:
             "function": {"name": data["name"], "arguments": text}}  # fmt: skip
 
 
+def _llama3_calls(text: str, names: set[str]) -> list[dict[str, Any]] | None:
+    """Llama 3.x: the whole answer is one or more JSON calls (`;` between), perhaps after
+    `<|python_tag|>`; None when it is not."""
+    text = text.strip()
+    if text.startswith(PYTHON_TAG):
+        text = text[len(PYTHON_TAG) :].lstrip()
+    if not text.startswith("{"):
+        return None
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        try:
+            data, end = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        call = _call(json.dumps(data), names)
+        if call is None:
+            return None
+        calls.append(call)
+        at = end
+        while at < len(text) and text[at] in " \n\t;":
+            at += 1
+    return calls
+
+
 def parse(text: str, tools: ToolSetup) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a whole answer. Only when every block is a call of a listed
     tool are they taken as calls; otherwise the whole text is content."""
+    if tools.parser == "llama3_json":
+        calls = _llama3_calls(text, tools.names)
+        return (None, calls) if calls else (text, [])
     blocks = list(_BLOCK.finditer(text))
     if not blocks:
         return text, []
@@ -269,6 +321,8 @@ class StreamParser:
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """(content delta, tool-call deltas) for newly generated text."""
+        if self.tools.parser == "llama3_json":
+            return self._feed_llama3(text, final)
         self.buffer += text
         content, deltas = "", []
         while True:
@@ -306,6 +360,34 @@ class StreamParser:
         if self.calls and not content.strip():
             content = ""  # whitespace between calls
         return content, deltas
+
+    def _feed_llama3(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """Llama 3.x: an answer that opens like a call is held whole until it ends."""
+        if self.content_seen:
+            return text, []
+        self.buffer += text
+        head = self.buffer.lstrip()
+        if head and not (head.startswith("{") or head.startswith(PYTHON_TAG[: len(head)])
+                         or head.startswith(PYTHON_TAG)):  # fmt: skip
+            self.content_seen = True
+            out, self.buffer = self.buffer, ""
+            return out, []
+        if not final:
+            return "", []
+        calls = _llama3_calls(self.buffer, self.tools.names)
+        if not calls:
+            out, self.buffer = self.buffer, ""
+            return out, []
+        deltas = []
+        for call in calls:
+            function = call["function"]
+            header = {"name": function["name"], "arguments": ""}
+            deltas.append({"index": self.calls, "id": call["id"], "type": "function",
+                           "function": header})  # fmt: skip
+            deltas.append({"index": self.calls, "function": {"arguments": function["arguments"]}})
+            self.calls += 1
+        self.buffer = ""
+        return "", deltas
 
 
 def _partial_suffix(text: str, tag: str) -> int:

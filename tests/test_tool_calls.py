@@ -31,19 +31,19 @@ WEATHER = {
         },
     },
 }
+SMALL_INT = {"type": "integer", "minimum": -99, "maximum": 99}
 ADD = {
     "type": "function",
     "function": {
         "name": "add",
         "parameters": {
             "type": "object",
-            "properties": {"a": {"type": "integer", "maximum": 99}, "b": {"type": "integer",
-                                                                          "maximum": 99}},
+            "properties": {"a": SMALL_INT, "b": SMALL_INT},
             "required": ["a", "b"],
             "additionalProperties": False,
         },
     },
-}  # fmt: skip
+}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
 ANSWER = (
     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
@@ -213,3 +213,55 @@ def test_auto_may_answer_in_text_and_tools_refuse_other_constraints(tools_server
         **body, "messages": [{"role": "tool", "content": "5"}]})  # fmt: skip
     assert orphan.status_code == 400
     assert orphan.json()["error"]["param"] == "messages[0].tool_call_id"
+
+
+# ----------------------------------------------------------------------------- Llama 3.x
+LLAMA3 = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}; '
+LLAMA3 += '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+
+
+def test_llama3_json_calls_are_parsed_whole_and_streamed_at_the_end():
+    tools = tool_calls.setup([WEATHER, ADD], "auto", None, parser="llama3_json")
+    content, calls = tool_calls.parse(LLAMA3, tools)
+    assert content is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "c"}), ("add", {"a": 1, "b": 2})]  # fmt: skip
+    assert tool_calls.parse("Oslo is cold.", tools) == ("Oslo is cold.", [])
+    assert tool_calls.parse('{"name": "nope", "parameters": {}}', tools)[1] == []
+    parser = tool_calls.StreamParser(tools)
+    pieces = [LLAMA3[i : i + 7] for i in range(0, len(LLAMA3), 7)]
+    out = [parser.feed(p, final=k == len(pieces) - 1) for k, p in enumerate(pieces)]
+    assert all(text == "" for text, _ in out)
+    assert [d["function"].get("name") for _, ds in out for d in ds if "id" in d] == [
+        "get_weather", "add"]  # fmt: skip
+    plain = tool_calls.StreamParser(tools)
+    assert plain.feed("Oslo ")[0] == "Oslo " and plain.feed("is", final=True)[0] == "is"
+
+
+def test_the_parser_follows_the_template_unless_overridden():
+    class Tokenizer:
+        chat_template = "{% if message.role == 'ipython' %}<|python_tag|>{% endif %}"
+
+    assert tool_calls.choose_parser(Tokenizer()) == "llama3_json"
+    assert tool_calls.choose_parser(Tokenizer(), "hermes") == "hermes"
+    Tokenizer.chat_template = "{{ tools }}<tool_call>"
+    assert tool_calls.choose_parser(Tokenizer()) == "hermes"
+
+
+def test_llama3_parser_override_constrains_required_calls_over_http(qwen3_target_dir):
+    server = ServerProcess(qwen3_target_dir, None, "--tool-call-parser", "llama3_json",
+                           "--num-speculative-tokens", "0")  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+        for seed in range(2):
+            done = client.chat.completions.create(
+                model="qwen3", messages=[{"role": "user", "content": "1 + 2?"}], tools=[ADD],
+                tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=seed,
+                max_tokens=60,
+            )  # fmt: skip
+            choice = done.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            assert [c.function.name for c in choice.message.tool_calls] == ["add"]
+            _valid(choice.message.tool_calls[0])
+    finally:
+        server.stop()

@@ -66,8 +66,8 @@ class _RowState:
     params: SamplingParams
     random: RandomStream | None  # None when greedy
     # Logit bias / penalties (`engine.penalties`): the generated tokens' counts, anchor
-    # included; None when the request has none. Such a row needs its committed tokens on
-    # the host before its next forward, so it is never looked ahead.
+    # included; None when the request has none. Such a row (and a grammar row) needs its
+    # committed tokens on the host before its next forward: no step is built on lazy tokens.
     history: TokenHistory | None = None
     # Structured output: the row's matcher, holding its committed tokens (`engine.structured`).
     grammar: RowGrammar | None = None
@@ -455,9 +455,9 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- lookahead
     def _host_bound(self) -> bool:
-        """A row's next forward needs its committed tokens on the host (penalty counts): no
-        step may be built on this step's lazy tokens (a lookahead built after the commit
-        is fine)."""
+        """A row's next forward needs its committed tokens on the host (penalty counts, its
+        grammar's state): no step may be built on this step's lazy tokens (a lookahead built
+        after the commit is fine)."""
         return any(self.states[r].params.host_bound for r in self.rows)
 
     def _lookup_due(self, watched: set[str]) -> bool:

@@ -83,6 +83,9 @@ def generate(
 ) -> GenerationResult:
     """Generate one completion, speculatively when a drafter is given (see module docstring)."""
     params.validate(target.vocab_size)
+    if params.structured is not None:  # refused, never silently unconstrained
+        raise InvalidRequest("structured output needs the engine (AsyncEngine), not this loop",
+                             param="structured")  # fmt: skip
     if not prompt_ids:
         raise InvalidRequest("prompt must contain at least one token")
     if eos_token_ids is None:

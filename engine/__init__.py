@@ -28,6 +28,7 @@ _EXPORTS = {
     "RequestOutput": "engine.async_engine",
     "EngineConfig": "engine.config",
     "SamplingParams": "engine.sampling",
+    "StructuredOutput": "engine.structured",
     "load_pair": "engine.loading",
     "ModelPair": "engine.loading",
     "generate": "engine.speculative",

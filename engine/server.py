@@ -253,28 +253,31 @@ class FlashbatchServer:
         try:
             if chat:
                 yield _event(api.chunk_body(rid, name, created, True, "", None, role=True))
-            async for index, output in _merged(runs):
-                shape = runs[index].shape
-                if echoes[index]:  # sent with the first output, which brings prompt logprobs
-                    prompt_logprobs = shape.prompt_part(output)
-                    yield _event(api.chunk_body(rid, name, created, False, echoes[index], None,
-                                                logprobs=prompt_logprobs,
-                                                index=index))  # fmt: skip
-                    echoes[index] = ""
-                output = last[index] = shape.visible(output)
-                logprobs = None
-                if shape.formatter is not None and output.logprobs:
-                    logprobs = shape.formatter.format(output.logprobs)
-                text, calls, parser = output.text, None, parsers[index]
-                if parser is not None:
-                    text, calls = parser.feed(text, final=output.finished)
-                if text or calls or output.finished or logprobs is not None:
-                    reason = output.finish_reason if output.finished else None
-                    if reason == "stop" and parser is not None and parser.calls:
-                        reason = "tool_calls"
-                    yield _event(api.chunk_body(rid, name, created, chat, text, reason,
-                                                logprobs=logprobs, index=index,
-                                                tool_calls=calls))  # fmt: skip
+            # aclosing: its pumps stop before the outputs they read are closed below
+            merged = contextlib.aclosing(_merged(runs))
+            async with merged as indexed:
+                async for index, output in indexed:
+                    shape = runs[index].shape
+                    if echoes[index]:
+                        prompt_logprobs = shape.prompt_part(output)
+                        yield _event(api.chunk_body(rid, name, created, False, echoes[index], None,
+                                                    logprobs=prompt_logprobs,
+                                                    index=index))  # fmt: skip
+                        echoes[index] = ""
+                    output = last[index] = shape.visible(output)
+                    logprobs = None
+                    if shape.formatter is not None and output.logprobs:
+                        logprobs = shape.formatter.format(output.logprobs)
+                    text, calls, parser = output.text, None, parsers[index]
+                    if parser is not None:
+                        text, calls = parser.feed(text, final=output.finished)
+                    if text or calls or output.finished or logprobs is not None:
+                        reason = output.finish_reason if output.finished else None
+                        if reason == "stop" and parser is not None and parser.calls:
+                            reason = "tool_calls"
+                        yield _event(api.chunk_body(rid, name, created, chat, text, reason,
+                                                    logprobs=logprobs, index=index,
+                                                    tool_calls=calls))  # fmt: skip
             if include_usage and last:
                 yield _event(api.usage_chunk(rid, name, created, chat, list(last.values())))
             yield b"data: [DONE]\n\n"
@@ -294,14 +297,15 @@ class FlashbatchServer:
         last: list[Any] = [None] * len(runs)
 
         async def gather(cancel: anyio.CancelScope) -> None:
-            async for index, output in _merged(runs):
-                shape = runs[index].shape
-                if last[index] is None:
-                    prompt_logprobs[index] = shape.prompt_part(output)
-                output = shape.visible(output)
-                texts[index].append(output.text)
-                entries[index].extend(output.logprobs or [])
-                last[index] = output
+            async with contextlib.aclosing(_merged(runs)) as indexed:
+                async for index, output in indexed:
+                    shape = runs[index].shape
+                    if last[index] is None:
+                        prompt_logprobs[index] = shape.prompt_part(output)
+                    output = shape.visible(output)
+                    texts[index].append(output.text)
+                    entries[index].extend(output.logprobs or [])
+                    last[index] = output
             cancel.cancel()
 
         async def watch_disconnect(cancel: anyio.CancelScope) -> None:

@@ -3,6 +3,7 @@ unknown fields included; batched prompts in /v1/completions; penalties over HTTP
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -236,3 +237,40 @@ def test_an_unknown_field_is_named_in_the_message(fields_server):
                           headers={"Content-Type": "application/json"}, timeout=30)  # fmt: skip
     assert response.status_code == 400
     assert "unknown field `x`" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_leaving_a_batched_request_aborts_every_prompt(fields_server, stream):
+    """Four prompts in flight, the client hangs up: all four requests end (abort), none runs
+    on, and the server keeps serving."""
+    from test_server import _metric
+
+    body = {"prompt": PROMPTS_4, "max_tokens": 3000, "ignore_eos": True, "stream": stream}
+    before = _metric(fields_server.metrics(), "flashbatch_request_success_total",
+                     finished_reason="abort")  # fmt: skip
+    async with httpx.AsyncClient(base_url=fields_server.url, timeout=30) as client:
+        if stream:
+            async with client.stream("POST", COMPLETIONS, json=body) as response:
+                assert response.status_code == 200
+                async for _ in response.aiter_lines():
+                    running = _metric(fields_server.metrics(), "flashbatch_num_requests_running")
+                    if running >= 4:
+                        break
+        else:
+            request = asyncio.ensure_future(client.post(COMPLETIONS, json=body))
+            for _ in range(200):
+                if _metric(fields_server.metrics(), "flashbatch_num_requests_running") >= 4:
+                    break
+                await asyncio.sleep(0.05)
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+    for _ in range(200):
+        values = fields_server.metrics()
+        if _metric(values, "flashbatch_num_requests_running") == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert _metric(values, "flashbatch_num_requests_running") == 0
+    aborted = _metric(values, "flashbatch_request_success_total", finished_reason="abort")
+    assert aborted - before == 4
+    assert _complete(fields_server, prompt="x", max_tokens=2)["choices"][0]["finish_reason"]

@@ -245,6 +245,7 @@ def sample_rows(
     histories: Sequence[TokenHistory | None] | None = None,
     drafts: mx.array | None = None,
     masks: Sequence[np.ndarray | None] | None = None,
+    _keep: mx.array | None = None,
 ) -> mx.array:
     """One token per position of `logits` [N, V], where request b owns the next `widths[b]`
     positions and draws them with its own `params[b]` and `streams[b]` (None when greedy;
@@ -263,12 +264,14 @@ def sample_rows(
     (`engine.penalties`) first, position j of the request counting `drafts[b, :j]` (its
     draft tokens, [B, >= widths[b] - 1]) as generated. `masks[b]` (None: unconstrained) are
     the request's grammar bitmasks, one per position (`engine.structured`): disallowed
-    tokens get -inf and, sampled, weigh exactly 0."""
+    tokens get -inf and, sampled, weigh exactly 0 (`_keep`: those masks, already unpacked)."""
     if histories is not None:
         logits = penalties.apply(logits, histories, widths, drafts)
-    constrained = masks is not None and any(m is not None for m in masks)
-    if constrained:
-        logits = structured.apply(logits, masks, widths)
+    keep = _keep
+    if keep is None and masks is not None:
+        keep = structured.allowed(masks, widths, logits.shape[-1])
+        if keep is not None:
+            logits = mx.where(keep, logits.astype(mx.float32), -mx.inf)
     greedy = [p.greedy for p in params]
     if all(greedy):
         return mx.argmax(logits, axis=-1).astype(mx.int32)
@@ -280,16 +283,13 @@ def sample_rows(
         index = mx.array([starts[b] + i for b in sampled for i in range(widths[b])], dtype=mx.int32)
         drawn = sample_rows(
             logits[index], [params[b] for b in sampled], [streams[b] for b in sampled],
-            [widths[b] for b in sampled],
-            masks=[masks[b] for b in sampled] if constrained else None,
+            [widths[b] for b in sampled], _keep=None if keep is None else keep[index],
         )  # fmt: skip
         tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
         tokens[index] = drawn
         return tokens
     uniforms = draw_uniforms(streams, widths)
-    if constrained or any(_filters(p) for p in params):  # per request: filters differ
-        # (masked logits go this way too: their -inf must weigh exactly 0, which `fast_exp`
-        # alone does not give)
+    if any(_filters(p) for p in params):  # per request: filters differ
         parts, start = [], 0
         for p, w in zip(params, widths):
             parts.append(_filtered_weights(logits[start : start + w], p))
@@ -302,6 +302,8 @@ def sample_rows(
         else:
             scale = [t for t, w in zip(inverse, widths) for _ in range(w)]
             weights = _weights(logits, mx.array(scale)[:, None])
+        if keep is not None:  # masked: exactly 0 (`fast_exp(-inf)` is tiny, not 0)
+            weights = mx.where(keep, weights, 0.0)
     return _inverse_cdf(weights, uniforms)
 
 

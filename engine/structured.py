@@ -183,17 +183,18 @@ def _rows(mask: np.ndarray, width: int) -> np.ndarray:
     return np.concatenate([mask, np.repeat(mask[-1:], width - len(mask), axis=0)])
 
 
-def apply(logits: mx.array, masks: Sequence[np.ndarray | None], widths: Sequence[int]) -> mx.array:
-    """-inf on every disallowed token of the rows of `logits` [N, V] (request b owns the next
-    `widths[b]` positions; `masks[b]` its bitmasks, at least that many rows, or None)."""
-    vocab = logits.shape[-1]
+def allowed(masks: Sequence[np.ndarray | None], widths: Sequence[int],
+            vocab: int) -> mx.array | None:  # fmt: skip
+    """[N, vocab] bool: the tokens each position may take (request b owns the next
+    `widths[b]` positions; `masks[b]` its bitmasks, at least that many rows, or None: all).
+    None when no request is constrained."""
     rows = [None if m is None else _rows(m, w) for m, w in zip(masks, widths)]
     if all(m is None for m in rows):
-        return logits
+        return None
     full = np.full((1, (vocab + 31) // 32), -1, dtype=np.int32)
     stacked = np.concatenate(
         [m if m is not None else np.repeat(full, w, axis=0) for m, w in zip(rows, widths)]
     )
     # unpacked on the host (numpy's unpackbits: a few us a row); MLX's CPU shifts cost ~80 us
     keep = np.unpackbits(stacked.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    return mx.where(mx.array(keep.view(np.bool_)), logits.astype(mx.float32), -mx.inf)
+    return mx.array(keep.view(np.bool_))

@@ -209,3 +209,21 @@ def test_an_invalid_constraint_is_a_400_with_param(structured_server, path, body
                           json={**base, **body}, timeout=60)  # fmt: skip
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_a_masked_position_samples_the_renormalised_distribution():
+    """Disallowed tokens are never drawn, however likely; the allowed ones keep their
+    relative odds (the constrained distribution), greedy and sampled."""
+    import mlx.core as mx
+    import numpy as np
+
+    from engine.sampling import request_stream, sample
+
+    logits = mx.repeat(mx.array([[10.0, 10.0, 0.0, 1.0, -2.0]]), 4000, axis=0)
+    mask = np.zeros((4000, 1), dtype=np.int32) + (1 << 2 | 1 << 3)  # tokens 2 and 3
+    greedy = sample(logits[:3], SamplingParams(), None, mask=mask[:3])
+    assert greedy.tolist() == [3, 3, 3]
+    drawn = np.array(sample(logits, SamplingParams(temperature=1.0), request_stream(7), mask=mask))
+    assert set(drawn.tolist()) <= {2, 3}
+    expected = np.e / (1 + np.e)  # p(3) among {2, 3}
+    assert abs((drawn == 3).mean() - expected) < 0.03

@@ -28,6 +28,7 @@ _EXPORTS = {
     "RequestOutput": "engine.async_engine",
     "EngineConfig": "engine.config",
     "SamplingParams": "engine.step.sampling",
+    "StructuredOutput": "engine.step.structured",
     "load_pair": "engine.models.loading",
     "ModelPair": "engine.models.loading",
     "generate": "engine.step.speculative",

@@ -32,6 +32,7 @@ from engine.step.logprobs import TokenLogprob
 from engine.step.prefix_cache import PrefixIndex
 from engine.step.sampling import SamplingParams
 from engine.step.stopping import StopChecker, eos_ids_of
+from engine.step.structured import GrammarCompiler
 from metrics import EngineMetrics
 from scheduler.adaptive import AdaptiveDepthPolicy
 from scheduler.depth import DepthPolicy, FixedDepthPolicy
@@ -120,6 +121,7 @@ class AsyncEngine:
         self._notifier = ThreadPoolExecutor(1, thread_name_prefix="flashbatch-notify")
         loop = asyncio.get_running_loop()
         self._runner, self.tokenizer = await loop.run_in_executor(self._executor, self._load)
+        self._runner.grammars = await loop.run_in_executor(self._executor, self._grammars)
         target_args = getattr(self._runner.target.model, "args", None)
         max_len = self.config.max_model_len or getattr(target_args, "max_position_embeddings", None)
         limits = SchedulerLimits(
@@ -180,6 +182,19 @@ class AsyncEngine:
                              packed_verify=self.config.packed_verify)  # fmt: skip
         log.info("draft sources: %s", ", ".join(sources) or "none")
         return runner, pair.tokenizer
+
+    def _grammars(self) -> GrammarCompiler | None:
+        """Structured output's compiler over the target's tokenizer (None where llguidance
+        cannot read it: such requests get a 400)."""
+        if self.tokenizer is None:
+            return None
+        try:
+            return GrammarCompiler(
+                self.tokenizer, self._runner.target.vocab_size, eos_ids_of(self.tokenizer)
+            )
+        except Exception as exc:  # a tokenizer llguidance cannot wrap (not a fast HF one)
+            log.warning("structured output unavailable: %s", exc)
+            return None
 
     def _lookup_drafter(self, sources: Sequence[str]) -> LookupDrafter | None:
         if LOOKUP not in sources:
@@ -269,6 +284,11 @@ class AsyncEngine:
                 raise InvalidRequest(f"prompt token ids must lie in 0..{vocab - 1}")
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer")
+        if params.structured is not None:
+            if self._runner.grammars is None:
+                raise InvalidRequest("structured output is not available for this model's "
+                                     "tokenizer", param=params.structured.param)  # fmt: skip
+            self._runner.grammars.check(params.structured)  # a bad schema is the caller's 400
         request_id = request_id or uuid.uuid4().hex
         stop = StopChecker(params, eos_ids_of(self.tokenizer), self.tokenizer)
         request = Request(request_id, prompt_ids, params, stop)

@@ -225,6 +225,7 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         read_timeout=args.request_read_timeout,
         max_connections=args.max_connections,
+        tool_call_parser=args.tool_call_parser,
     )
     return serve(AsyncEngine(config), settings, args.host, args.port, args.log_level)
 
@@ -359,6 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens-cap", type=int, default=_env("MAX_TOKENS_CAP", 4096, int),
         help="the most tokens one request may ask for; more is a 400",
     )  # fmt: skip
+    srv.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=_env("TOOL_CALL_PARSER", None, str),
+        help="the tool-call format asked for and parsed (default: chosen by the chat template)",
+    )
     srv.add_argument(
         "--drain-timeout",
         type=float,

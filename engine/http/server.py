@@ -39,6 +39,7 @@ from starlette.routing import Route
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineClosed, InvalidRequest
 from engine.http import openai_api as api
+from engine.http import tool_calls
 from engine.http.body import check_encoding, read_limited, too_large
 from engine.http.errors import ErrorBoundary, HTTPError, exception_handlers, json_response
 from engine.http.guard import guarded_protocol
@@ -57,6 +58,7 @@ class ServerSettings:
     drain_timeout: float = 30.0
     read_timeout: float = 30.0  # headers, then the body, must each arrive within this
     max_connections: int = 512  # open connections; one more is closed when accepted
+    tool_call_parser: str | None = None  # "hermes" | "llama3_json"; None: by the chat template
 
 
 def _client_left(phase: str) -> HTTPError:
@@ -164,23 +166,40 @@ class FlashbatchServer:
         kind = api.ChatCompletionRequest if chat else api.CompletionRequest
         parsed = api.decode_request(body, kind)
         self._check_model(parsed.model)
-        prompt, max_tokens = self._prompt(parsed, chat)
-        shape = self._shape(parsed, chat, prompt, max_tokens)
-        if shape.prompt_ids is not None:
-            prompt = shape.prompt_ids
-        params = api.sampling_params(parsed, 1 if shape.score_only else max_tokens)
-        request_id, stream = self.engine.add_request(prompt, params)
+        api.refuse_unsupported(parsed)
+        tools = None
+        if chat:
+            parser = tool_calls.choose_parser(self.engine.tokenizer, self.settings.tool_call_parser)
+            tools = tool_calls.setup(parsed.tools, parsed.tool_choice,
+                                     parsed.parallel_tool_calls, parser)  # fmt: skip
+        prompts, max_tokens = self._prompt(parsed, chat, tools)
+        # Batched prompts (completions): each is its own request in the batch, choice i.
+        runs: list[_Run] = []
+        try:
+            for prompt in prompts:
+                shape = self._shape(parsed, chat, prompt, max_tokens)
+                if shape.prompt_ids is not None:
+                    prompt = shape.prompt_ids
+                params = api.sampling_params(parsed, 1 if shape.score_only else max_tokens)
+                if tools is not None and tools.active:
+                    params = _with_tools(params, tools)
+                request_id, stream = self.engine.add_request(prompt, params)
+                outputs = self.engine.outputs(request_id, stream)
+                runs.append(_Run(request_id, outputs, shape, tools))
+                if params.logprobs is not None:
+                    offset = 0 if shape.prompt_ids is not None else len(shape.echo)
+                    shape.formatter = api.LogprobsFormatter(self.engine.tokenizer, chat, offset)
+        except BaseException:
+            for run in runs:  # a later prompt was refused: the earlier ones must not run on
+                self.engine.abort(run.request_id)
+            raise
         rid = api.new_id("chatcmpl" if chat else "cmpl")
-        outputs = self.engine.outputs(request_id, stream)
-        if params.logprobs is not None:
-            offset = 0 if shape.prompt_ids is not None else len(shape.echo)
-            shape.formatter = api.LogprobsFormatter(self.engine.tokenizer, chat, offset)
         if parsed.stream:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-            events = self._sse(outputs, rid, chat, include_usage, shape)
+            events = self._sse(runs, rid, chat, include_usage)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
-        return await self._collect(request, outputs, rid, chat, shape)
+        return await self._collect(request, runs, rid, chat)
 
     def _shape(self, parsed: Any, chat: bool, prompt: Any, max_tokens: int) -> _Shape:
         """What the response adds to the generated text: echo (completions) and the prompt's
@@ -195,18 +214,25 @@ class FlashbatchServer:
             prompt_ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
         return _Shape(echo=echo, prompt_ids=prompt_ids, score_only=max_tokens == 0)
 
-    def _prompt(self, parsed: Any, chat: bool) -> tuple[Any, int]:
+    def _prompt(self, parsed: Any, chat: bool,
+                tools: tool_calls.ToolSetup | None = None) -> tuple[list[Any], int]:  # fmt: skip
+        """The request's prompts (one for chat; completions may batch several) and its
+        max_tokens."""
         cap = self.settings.max_tokens_cap
         if chat:
-            messages = api.chat_messages(parsed.messages)
             tokenizer = self.engine.tokenizer
             if not getattr(tokenizer, "chat_template", None):
                 raise InvalidRequest("this model has no chat template; use /v1/completions")
+            native = tool_calls.template_takes_tools(tokenizer)
+            messages = api.chat_messages(parsed.messages)
+            messages, extra = tool_calls.render(messages, tools or tool_calls.ToolSetup(), native)
             try:
-                prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+                prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                            **extra))  # fmt: skip
             except Exception as exc:  # the template's own checks (roles, order) raise anything
                 raise InvalidRequest(f"the chat template rejected the messages: {exc}",
                                      param="messages") from None  # fmt: skip
+            prompts = [prompt]
             # max_completion_tokens (OpenAI's newer name) wins; 0 is a value, not "unset".
             name = "max_completion_tokens" if parsed.max_completion_tokens is not None else (
                 "max_tokens")  # fmt: skip
@@ -215,7 +241,7 @@ class FlashbatchServer:
                 room = self.engine.scheduler.limits.max_model_len - len(prompt)
                 requested = max(1, min(cap, room))
         else:
-            prompt = api.single_prompt(parsed.prompt)
+            prompts = api.prompts(parsed.prompt)
             name = "max_tokens"
             requested = parsed.max_tokens if parsed.max_tokens is not None else 16
         # 0 scores the prompt alone, which only echo returns (see `_shape`)
@@ -225,55 +251,69 @@ class FlashbatchServer:
             raise InvalidRequest(
                 f"{name} {requested} exceeds this server's cap of {cap}", param=name
             )
-        return prompt, requested
+        return prompts, requested
 
-    async def _sse(self, outputs, rid: str, chat: bool, include_usage: bool, shape: _Shape):
+    async def _sse(self, runs: list[_Run], rid: str, chat: bool, include_usage: bool):
         name, created = self.engine.model_name, int(time.time())
-        formatter, echo = shape.formatter, shape.echo
-        last = None
+        echoes = [run.shape.echo for run in runs]
+        last: dict[int, Any] = {}
+        parsers = [tool_calls.StreamParser(r.tools) if r.active_tools else None for r in runs]
         try:
             if chat:
                 yield _event(api.chunk_body(rid, name, created, True, "", None, role=True))
-            async for output in outputs:
-                if echo:  # sent with the first output, which brings the prompt's logprobs
-                    prompt_logprobs = shape.prompt_part(output)
-                    yield _event(api.chunk_body(rid, name, created, False, echo, None,
-                                                logprobs=prompt_logprobs))  # fmt: skip
-                    echo = ""
-                output = last = shape.visible(output)
-                logprobs = None
-                if formatter is not None and output.logprobs:
-                    logprobs = formatter.format(output.logprobs)
-                if output.text or output.finished or logprobs is not None:
-                    reason = output.finish_reason if output.finished else None
-                    yield _event(api.chunk_body(rid, name, created, chat, output.text, reason,
-                                                logprobs=logprobs))  # fmt: skip
-            if include_usage and last is not None:
-                yield _event(api.usage_chunk(rid, name, created, chat, last))
+            # aclosing: its pumps stop before the outputs they read are closed below
+            merged = contextlib.aclosing(_merged(runs))
+            async with merged as indexed:
+                async for index, output in indexed:
+                    shape = runs[index].shape
+                    if echoes[index]:
+                        prompt_logprobs = shape.prompt_part(output)
+                        yield _event(api.chunk_body(rid, name, created, False, echoes[index], None,
+                                                    logprobs=prompt_logprobs,
+                                                    index=index))  # fmt: skip
+                        echoes[index] = ""
+                    output = last[index] = shape.visible(output)
+                    logprobs = None
+                    if shape.formatter is not None and output.logprobs:
+                        logprobs = shape.formatter.format(output.logprobs)
+                    text, calls, parser = output.text, None, parsers[index]
+                    if parser is not None:
+                        text, calls = parser.feed(text, final=output.finished)
+                    if text or calls or output.finished or logprobs is not None:
+                        reason = output.finish_reason if output.finished else None
+                        if reason == "stop" and parser is not None and parser.calls:
+                            reason = "tool_calls"
+                        yield _event(api.chunk_body(rid, name, created, chat, text, reason,
+                                                    logprobs=logprobs, index=index,
+                                                    tool_calls=calls))  # fmt: skip
+            if include_usage and last:
+                yield _event(api.usage_chunk(rid, name, created, chat, list(last.values())))
             yield b"data: [DONE]\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             self.http_metrics.on_disconnect("stream")  # Starlette cancels us when it leaves
             raise
         finally:
-            await outputs.aclose()  # a disconnect cancels us here: abort the request now
+            for run in runs:  # a disconnect cancels us here: abort the requests now
+                await run.outputs.aclose()
 
-    async def _collect(self, request: Request, outputs, rid: str, chat: bool,
-                       shape: _Shape) -> Response:  # fmt: skip
+    async def _collect(self, request: Request, runs: list[_Run], rid: str,
+                       chat: bool) -> Response:  # fmt: skip
         """Non-streaming: gather the outputs, aborting if the client goes away meanwhile."""
-        texts: list[str] = [shape.echo]
-        entries: list = []
-        prompt_logprobs = None
-        last = None
+        texts: list[list[str]] = [[run.shape.echo] for run in runs]
+        entries: list[list] = [[] for _ in runs]
+        prompt_logprobs: list[dict | None] = [None] * len(runs)
+        last: list[Any] = [None] * len(runs)
 
         async def gather(cancel: anyio.CancelScope) -> None:
-            nonlocal last, prompt_logprobs
-            async for output in outputs:
-                if last is None:
-                    prompt_logprobs = shape.prompt_part(output)
-                output = shape.visible(output)
-                texts.append(output.text)
-                entries.extend(output.logprobs or [])
-                last = output
+            async with contextlib.aclosing(_merged(runs)) as indexed:
+                async for index, output in indexed:
+                    shape = runs[index].shape
+                    if last[index] is None:
+                        prompt_logprobs[index] = shape.prompt_part(output)
+                    output = shape.visible(output)
+                    texts[index].append(output.text)
+                    entries[index].extend(output.logprobs or [])
+                    last[index] = output
             cancel.cancel()
 
         async def watch_disconnect(cancel: anyio.CancelScope) -> None:
@@ -286,15 +326,23 @@ class FlashbatchServer:
                 group.start_soon(gather, group.cancel_scope)
                 group.start_soon(watch_disconnect, group.cancel_scope)
         finally:
-            await outputs.aclose()
-        if last is None or not last.finished:
+            for run in runs:
+                await run.outputs.aclose()
+        if any(output is None or not output.finished for output in last):
             self.http_metrics.on_disconnect("wait")
             raise _client_left("waiting for the answer")
-        logprobs = None
-        if shape.formatter is not None:
-            logprobs = api.join_logprobs(prompt_logprobs, shape.formatter.format(entries))
-        body = api.completion_body(rid, self.engine.model_name, "".join(texts), last, chat,
-                                   logprobs)  # fmt: skip
+        logprobs = []
+        for index, run in enumerate(runs):
+            formatter = run.shape.formatter
+            logprobs.append(None if formatter is None else
+                            api.join_logprobs(prompt_logprobs[index],
+                                              formatter.format(entries[index])))  # fmt: skip
+        answers: list[str | None] = ["".join(t) for t in texts]
+        calls = None
+        if runs[0].active_tools:  # chat: one run
+            answers[0], calls = tool_calls.parse(answers[0], runs[0].tools)
+        body = api.completion_body(rid, self.engine.model_name, answers, last, chat, logprobs,
+                                   calls)  # fmt: skip
         return json_response(body)
 
     # ----------------------------------------------------------------- checks
@@ -331,6 +379,67 @@ class FlashbatchServer:
                 "(GET /v1/models lists it; send that name or leave `model` out)"
             )
             raise HTTPError(404, message, "not_found_error", code="model_not_found", param="model")
+
+
+async def _merged(runs: list[_Run]) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, output) from every run as they arrive; a single run is read directly
+    (no task or queue per token in the common case)."""
+    if len(runs) == 1:
+        async for output in runs[0].outputs:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, outputs: AsyncIterator[Any]) -> None:
+        try:
+            async for output in outputs:
+                queue.put_nowait((index, output, None))
+        except BaseException as exc:  # handed to the reader, which raises it
+            queue.put_nowait((index, None, exc))
+            return
+        queue.put_nowait((index, None, None))
+
+    tasks = [asyncio.create_task(pump(i, run.outputs)) for i, run in enumerate(runs)]
+    try:
+        running = len(tasks)
+        while running:
+            index, output, error = await queue.get()
+            if error is not None:
+                raise error
+            if output is None:
+                running -= 1
+                continue
+            yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class _Run:
+    """One engine request of a response: choice `index` is the run at that position."""
+
+    request_id: str
+    outputs: AsyncIterator[Any]
+    shape: _Shape
+    tools: tool_calls.ToolSetup | None = None
+
+    @property
+    def active_tools(self) -> bool:
+        return self.tools is not None and self.tools.active
+
+
+def _with_tools(params: Any, tools: tool_calls.ToolSetup) -> Any:
+    """A tools request's sampling: `required`/named choices constrained by their grammar;
+    other output constraints cannot be combined with tools."""
+    if params.structured is not None:
+        raise InvalidRequest("response_format and structured_outputs cannot be combined with "
+                             "tools (send tool_choice: none)", param="response_format")  # fmt: skip
+    grammar = tool_calls.grammar(tools)
+    if grammar is None:
+        return params
+    return msgspec.structs.replace(params, structured=grammar)
 
 
 @dataclass

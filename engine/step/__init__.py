@@ -7,6 +7,7 @@
 - `target`: `TargetAdapter`, an mlx-lm model whose forward also returns tapped features;
 - `state_cache`, `recurrent`: hybrid targets' per-row recurrent state and its exact rollback;
 - `sampling`, `logprobs`, `stopping`: the sampler, log-probabilities, stop conditions;
+- `penalties`, `structured`: penalties and logit bias inside the sampler, grammar matchers;
 - `feature_journal`: a step's tapped features, journalled once for every owner;
 - `prefix_cache`: finished requests' KV kept under a byte budget for reuse;
 - `row_padding`: CPU matmuls computed at a row count the BLAS runs faster;

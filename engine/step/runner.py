@@ -44,10 +44,12 @@ from engine.step import logprobs as token_logprobs
 from engine.step.feature_journal import FeatureJournal
 from engine.step.kv_cache import RaggedKVCache
 from engine.step.packed import PackedLayout, PrefillSegment
+from engine.step.penalties import TokenHistory
 from engine.step.prefix_cache import PrefixEntry, PrefixSave
 from engine.step.recurrent import replay
 from engine.step.sampling import RandomStream, SamplingParams, request_stream, sample, sample_rows
 from engine.step.state_cache import RaggedStateCache
+from engine.step.structured import GrammarCompiler, RowGrammar
 from engine.step.target import TargetAdapter
 from scheduler.plan import Admission, PrefillChunk, RowOutcome, StepPlan, StepResult
 from scheduler.sources import DFLASH, LOOKUP
@@ -67,6 +69,12 @@ class _RowState:
     prompt_ids: list[int]
     params: SamplingParams
     random: RandomStream | None  # None when greedy
+    # Logit bias / penalties (`engine.step.penalties`): the generated tokens' counts, anchor
+    # included; None when the request has none. Such a row (and a grammar row) needs its
+    # committed tokens on the host before its next forward: no step is built on lazy tokens.
+    history: TokenHistory | None = None
+    # Structured output: the row's matcher, holding its committed tokens (`engine.step.structured`).
+    grammar: RowGrammar | None = None
     anchor: int = -1  # last committed token, not yet in the target cache
     session: DraftSession | None = None
     lookup: LookupSession | None = None
@@ -104,9 +112,6 @@ class _Decode:
     sources: list[str | None] = field(default_factory=list)  # per row (None: no drafts)
     lookup_rows: int = 0
     logprobs: token_logprobs.LazyLogprobs | None = None  # rows that asked for them
-    # Each row's sampler draws before this forward sampled (a drafting step rewinds them to
-    # these + the positions it committed: see `ModelRunner._commit`).
-    draws_before: list[int] = field(default_factory=list)
 
     # Packed verify: where row b's verify position i lies in the packed logits/features
     # (`layout.index(b, i)`); None when the forward was padded to `width + 1` per row.
@@ -226,6 +231,8 @@ class ModelRunner:
         self._feature_journal: FeatureJournal[_RowState] = FeatureJournal()
         # OpenBLAS's thread count for small forwards, where an operator set one (CPU backend).
         self.blas = blas_threads()
+        # Structured output's compiler (the engine sets it: it needs the tokenizer).
+        self.grammars: GrammarCompiler | None = None
 
     @property
     def source_depths(self) -> dict[str, int]:
@@ -396,7 +403,9 @@ class ModelRunner:
     def _first_token(self, state: _RowState, logits: mx.array,
                      first_tokens: dict[str, mx.array]) -> None:  # fmt: skip
         """Sample a request's first token from its prompt's last logits [1, V]."""
-        first_tokens[state.request_id] = token = sample(logits, state.params, state.random)[0]
+        mask = state.grammar.masks([]) if state.grammar is not None else None
+        token = sample(logits, state.params, state.random, state.history, mask=mask)[0]
+        first_tokens[state.request_id] = token
         if state.params.logprobs is not None:
             self._first_logprobs.append(_logprobs_of([state], logits[None], token[None, None]))
 
@@ -465,6 +474,12 @@ class ModelRunner:
             self._prompt_logprobs.append(lazy)
 
     # ----------------------------------------------------------------- lookahead
+    def _host_bound(self) -> bool:
+        """A row's next forward needs its committed tokens on the host (penalty counts, its
+        grammar's state): no step may be built on this step's lazy tokens (a lookahead built
+        after the commit is fine)."""
+        return any(self.states[r].params.host_bound for r in self.rows)
+
     def _lookup_due(self, watched: set[str]) -> bool:
         """A watched row now has a lookup match: the next step will likely draft, so a
         looked-ahead plain step would be thrown away."""
@@ -491,6 +506,7 @@ class ModelRunner:
             or not plan.lookahead
             or decode.width
             or any(chunk.last for chunk in plan.prefills)
+            or self._host_bound()
         ):
             return None
         mx.async_eval(decode.arrays())
@@ -553,6 +569,8 @@ class ModelRunner:
         for i, source in enumerate(sources):
             if source == LOOKUP:
                 drafts = self.lookup.draft(states[i].lookup, states[i].anchor, depths[i])
+                if states[i].grammar is not None:
+                    drafts = states[i].grammar.cut(drafts)
                 lookup_drafts[i] = drafts
                 depths[i] = len(drafts)  # no match after all: the row verifies plainly
                 sources[i] = LOOKUP if drafts else None
@@ -566,19 +584,25 @@ class ModelRunner:
             raise ValueError("prefill segments need the packed forward")
         # Read before the proposal writes them.
         context_rows = sum(states[i].session.pending_rows for i in drafting)
+        masks = None
         if width or segments:
             drafts = None
             if width:
                 drafts = self._draft_matrix(states, depths, drafting, lookup_drafts, width)
+            if any(s.grammar is not None for s in states):
+                drafts, masks = self._grammar_masks(states, depths, drafts, lookup_drafts)
+                width = max(depths)
             if self.packed is not None:
-                decode = self._verify_packed(states, depths, drafts, segments)
+                decode = self._verify_packed(states, depths, drafts, segments, masks)
                 decode.drafted_rows, decode.sources = len(drafting), sources
                 decode.draft_context_rows = context_rows
                 decode.lookup_rows = len(lookup_drafts)
                 return decode
-            verify_ids = mx.concatenate([anchors, drafts], axis=1)
+            verify_ids = anchors if drafts is None else mx.concatenate([anchors, drafts], axis=1)
         else:
             verify_ids = anchors
+            if any(s.grammar is not None for s in states):
+                _, masks = self._grammar_masks(states, depths, None, {})
         recording = bool(width and self._states)  # a verify a hybrid row must roll back
         for layer_cache in self._states if recording else ():
             layer_cache.recording = True
@@ -587,15 +611,13 @@ class ModelRunner:
         finally:
             for layer_cache in self._states:
                 layer_cache.recording = False
-        draws_before = [s.draws for s in states]
-        targets = self._sample_rows(logits, states)
+        targets = self._sample_rows(logits, states, drafts if width else None, masks)
         if width:
             accepted = _accepted(drafts, targets, depths)
         else:
             accepted = mx.zeros((len(states),), dtype=mx.int32)
         decode = _Decode(depths, width, targets, accepted, features, len(drafting),
-                         context_rows, sources, len(lookup_drafts),
-                         draws_before=draws_before)  # fmt: skip
+                         context_rows, sources, len(lookup_drafts))  # fmt: skip
         asking = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         if asking:  # only rows that asked pay for the log-softmax
             index = mx.array(asking, dtype=mx.int32)
@@ -606,7 +628,7 @@ class ModelRunner:
 
     def _verify_packed(
         self, states: list[_RowState], depths: list[int], drafts: mx.array | None,
-        segments: list[_Segment] = (),
+        segments: list[_Segment] = (), masks: list | None = None,
     ) -> _Decode:  # fmt: skip
         """The verify as one packed forward: row b contributes [anchor, its d_b drafts]
         (`drafts` is [B, width], each row's own drafts first; None when no row drafts), and
@@ -629,18 +651,17 @@ class ModelRunner:
         self._segment_outputs(segments, layout.total, logits, features)
         logits = logits[: layout.total] if segments else logits
         # Each row samples only its own positions, with its own sampler and random stream.
-        draws_before = [s.draws for s in states]
         packed_targets = sample_rows(
-            logits, [s.params for s in states], [s.random for s in states], layout.widths
-        )
+            logits, [s.params for s in states], [s.random for s in states], layout.widths,
+            [s.history for s in states], drafts, masks,
+        )  # fmt: skip
         by_row = mx.array(layout.padded_index(list(range(B)), 0, width + 1), dtype=mx.int32)
         targets = packed_targets[by_row].reshape(B, width + 1)
         if drafts is None:
             accepted = mx.zeros((B,), dtype=mx.int32)
         else:
             accepted = _accepted(drafts, targets, depths)
-        decode = _Decode(depths, width, targets, accepted, features, 0, layout=layout,
-                         draws_before=draws_before)  # fmt: skip
+        decode = _Decode(depths, width, targets, accepted, features, 0, layout=layout)
         asking = [b for b, s in enumerate(states) if s.params.logprobs is not None]
         if asking:  # their positions, padded like `targets` (the padding is never committed)
             index = mx.array(layout.padded_index(asking, 0, width + 1), dtype=mx.int32)
@@ -699,11 +720,49 @@ class ModelRunner:
         host[mx.array(drafting)] = drafted
         return host
 
-    def _sample_rows(self, logits: mx.array, states: list[_RowState]) -> mx.array:
-        """Every verify row sampled with its request's own sampler: [B, W, V] -> [B, W]."""
+    def _sample_rows(
+        self, logits: mx.array, states: list[_RowState], drafts: mx.array | None = None,
+        masks: list | None = None,
+    ) -> mx.array:  # fmt: skip
+        """Every verify row sampled with its request's own sampler: [B, W, V] -> [B, W]
+        (`drafts` [B, W - 1]: what penalised rows count before each position; `masks`:
+        constrained rows' grammar bitmasks)."""
         B, W, V = logits.shape
         params, streams = [s.params for s in states], [s.random for s in states]
-        return sample_rows(logits.reshape(B * W, V), params, streams, [W] * B).reshape(B, W)
+        histories = [s.history for s in states]
+        flat = logits.reshape(B * W, V)
+        tokens = sample_rows(flat, params, streams, [W] * B, histories, drafts, masks)
+        return tokens.reshape(B, W)
+
+    def _grammar_masks(
+        self, states: list[_RowState], depths: list[int], drafts: mx.array | None,
+        lookup_drafts: dict[int, list[int]],
+    ) -> tuple[mx.array | None, list]:  # fmt: skip
+        """Structured rows: drafts cut at the first token the grammar rejects (`depths` is
+        updated in place; lookup drafts were cut when drafted, DFlash ones need their values
+        here: one sync, only when such a row drafts with DFlash), and each row's bitmasks for
+        every verify position, the bonus included. Returns the draft matrix (narrowed to the
+        new widest depth; None when no row drafts any more) and the per-row masks."""
+        host = None
+        if drafts is not None and any(
+            s.grammar is not None and depths[i] and i not in lookup_drafts
+            for i, s in enumerate(states)
+        ):
+            host = drafts.tolist()
+        masks: list = [None] * len(states)
+        for i, state in enumerate(states):
+            if state.grammar is None:
+                continue
+            row = lookup_drafts.get(i)
+            if row is None:
+                row = host[i][: depths[i]] if host is not None and depths[i] else []
+                row = state.grammar.cut(row)
+            depths[i] = len(row)
+            masks[i] = state.grammar.masks(row)
+        width = max(depths, default=0)
+        if drafts is not None:
+            drafts = drafts[:, :width] if width else None
+        return drafts, masks
 
     def _commit(self, decode: _Decode, result: StepResult, match_lookup: bool = True) -> None:
         targets = decode.targets.tolist()
@@ -733,10 +792,13 @@ class ModelRunner:
             if logging:  # kept even for a row that does not draft with DFlash: a later hit may
                 log_blocks.append((state, start, a + 1))
             state.anchor = committed[-1]
-            if decode.width:
-                # Uniforms are indexed by output position: the draws of rejected positions
-                # go back, so a seeded request samples the same tokens at every depth.
-                state.give_back(decode.draws_before[i] + a + 1)
+            if state.history is not None:
+                state.history.add(committed)
+            if state.grammar is not None:
+                state.grammar.commit(committed)
+            # The draws of the positions past the bonus go back: the row's k-th generated token
+            # always takes its k-th uniform, so seeded output is the same at every depth.
+            state.give_back(state.draws - trims[i])
             if state.lookup is not None:
                 self.lookup.commit(state.lookup, None, cached)
                 if source == LOOKUP:
@@ -770,6 +832,14 @@ class ModelRunner:
             prompt_ids=list(admission.prompt_ids),
             params=params,
             random=None if params.greedy else request_stream(params.seed),
+            history=(
+                TokenHistory(params, admission.prompt_ids, self.target.vocab_size)
+                if params.penalised
+                else None
+            ),
+            grammar=(
+                self.grammars.matcher(params.structured) if params.structured is not None else None
+            ),
             prefill_cache=self.target.new_cache(1),
         )
         if admission.prefix_entry is not None:
@@ -873,6 +943,10 @@ class ModelRunner:
                     self.drafter.commit(state.session, features, state.prompt_ids)
             state.prefill_features = []
             state.anchor = first_token
+            if state.history is not None:
+                state.history.add([first_token])
+            if state.grammar is not None:
+                state.grammar.commit([first_token])
             self._open_lookup(state)
 
     def _open_lookup(self, state: _RowState) -> None:

@@ -19,7 +19,10 @@ import numpy as np
 
 from engine.backend.cpu_kernels import fast_exp
 from engine.errors import InvalidRequest
+from engine.step import penalties, structured
 from engine.step.logprobs import MAX_TOP_LOGPROBS
+from engine.step.penalties import TokenHistory
+from engine.step.structured import StructuredOutput
 from scheduler.sources import ALL_SOURCES
 
 
@@ -45,10 +48,35 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # Also each prompt token's log-probability (the first has none) and this many
     # alternatives, from the prefill's logits; such requests skip the prefix cache.
     prompt_logprobs: int | None = None
+    # OpenAI's penalties on the logits (`engine.step.penalties`): token id -> bias in [-100, 100];
+    # frequency and presence in [-2, 2]; repetition (vLLM's extension) > 0, 1 = off.
+    logit_bias: dict[int, float] | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # The output must match this JSON schema / JSON object / regex / Lark grammar
+    # (`engine.step.structured`: per-row masks at every verify position).
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def host_bound(self) -> bool:
+        """Whether each forward needs the row's committed tokens on the host first (penalty
+        counts, grammar state): no step is built on a previous step's lazy tokens."""
+        return self.penalised or self.structured is not None
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the logits are adjusted before sampling (a per-row token history)."""
+        return bool(
+            self.logit_bias
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+        )
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest naming the first parameter that is out of range."""
@@ -89,11 +117,38 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 f"prompt_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, "
                 f"got {self.prompt_logprobs!r}"
             )
+        if self.structured is not None and self.ignore_eos:
+            raise InvalidRequest(
+                "ignore_eos cannot be combined with structured output: a finished grammar "
+                "ends the output with EOS",
+                param="ignore_eos",
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -2.0 <= value <= 2.0):
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {value!r}", param=name)
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InvalidRequest(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
+                param="repetition_penalty",
+            )
+        for token, value in (self.logit_bias or {}).items():
+            if not (isinstance(value, (int, float)) and -100.0 <= value <= 100.0):
+                raise InvalidRequest(
+                    f"logit_bias values must be in [-100, 100], got {value!r} for {token}",
+                    param="logit_bias",
+                )
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise InvalidRequest(
                     f"stop_token_ids {bad} outside the vocabulary (0..{vocab_size - 1})"
+                )
+            bad = [t for t in self.logit_bias or {} if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"logit_bias token ids {bad} outside the vocabulary (0..{vocab_size - 1})",
+                    param="logit_bias",
                 )
 
 
@@ -167,9 +222,19 @@ def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     return logprobs
 
 
-def sample(logits: mx.array, params: SamplingParams, stream: RandomStream | None) -> mx.array:
-    """One token per row of `logits` [N, V], rows drawn independently. Lazy (no sync)."""
-    return sample_rows(logits, [params], [stream], [logits.shape[0]])
+def sample(
+    logits: mx.array,
+    params: SamplingParams,
+    stream: RandomStream | None,
+    history: TokenHistory | None = None,
+    drafts: mx.array | None = None,
+    mask: np.ndarray | None = None,
+) -> mx.array:
+    """One token per row of `logits` [N, V], rows drawn independently (row j penalised as if
+    `drafts[:j]` were generated, where a `history` is given; constrained to the grammar's
+    `mask` bitmasks [N, words]). Lazy (no sync)."""
+    drafts = None if drafts is None else drafts[None]
+    return sample_rows(logits, [params], [stream], [logits.shape[0]], [history], drafts, [mask])
 
 
 def sample_rows(
@@ -177,6 +242,10 @@ def sample_rows(
     params: Sequence[SamplingParams],
     streams: Sequence[RandomStream | None],
     widths: Sequence[int],
+    histories: Sequence[TokenHistory | None] | None = None,
+    drafts: mx.array | None = None,
+    masks: Sequence[np.ndarray | None] | None = None,
+    _keep: mx.array | None = None,
 ) -> mx.array:
     """One token per position of `logits` [N, V], where request b owns the next `widths[b]`
     positions and draws them with its own `params[b]` and `streams[b]` (None when greedy;
@@ -189,7 +258,20 @@ def sample_rows(
     `mx.random.categorical` needs two logarithms and MLX's CPU backend evaluates those one
     element at a time (about 25 ns each): at a 49k vocabulary that sampler took 1.6 ms a
     position, this one a few percent of it. A request's draws depend only on its own
-    logits and stream, never on its neighbours in the batch."""
+    logits and stream, never on its neighbours in the batch.
+
+    `histories[b]` (None: not penalised) applies request b's logit bias and penalties
+    (`engine.step.penalties`) first, position j of the request counting `drafts[b, :j]` (its
+    draft tokens, [B, >= widths[b] - 1]) as generated. `masks[b]` (None: unconstrained) are
+    the request's grammar bitmasks, one per position (`engine.step.structured`): disallowed
+    tokens get -inf and, sampled, weigh exactly 0 (`_keep`: those masks, already unpacked)."""
+    if histories is not None:
+        logits = penalties.apply(logits, histories, widths, drafts)
+    keep = _keep
+    if keep is None and masks is not None:
+        keep = structured.allowed(masks, widths, logits.shape[-1])
+        if keep is not None:
+            logits = mx.where(keep, logits.astype(mx.float32), -mx.inf)
     greedy = [p.greedy for p in params]
     if all(greedy):
         return mx.argmax(logits, axis=-1).astype(mx.int32)
@@ -201,7 +283,7 @@ def sample_rows(
         index = mx.array([starts[b] + i for b in sampled for i in range(widths[b])], dtype=mx.int32)
         drawn = sample_rows(
             logits[index], [params[b] for b in sampled], [streams[b] for b in sampled],
-            [widths[b] for b in sampled],
+            [widths[b] for b in sampled], _keep=None if keep is None else keep[index],
         )  # fmt: skip
         tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
         tokens[index] = drawn
@@ -220,6 +302,8 @@ def sample_rows(
         else:
             scale = [t for t, w in zip(inverse, widths) for _ in range(w)]
             weights = _weights(logits, mx.array(scale)[:, None])
+        if keep is not None:  # masked: exactly 0 (`fast_exp(-inf)` is tiny, not 0)
+            weights = mx.where(keep, weights, 0.0)
     return _inverse_cdf(weights, uniforms)
 
 

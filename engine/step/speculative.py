@@ -23,6 +23,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from drafters.base import Drafter, DraftSession
 from engine.errors import InvalidRequest
+from engine.step.penalties import TokenHistory
 from engine.step.recurrent import replay
 from engine.step.sampling import SamplingParams, request_stream, sample
 from engine.step.state_cache import RaggedStateCache
@@ -84,6 +85,9 @@ def generate(
 ) -> GenerationResult:
     """Generate one completion, speculatively when a drafter is given (see module docstring)."""
     params.validate(target.vocab_size)
+    if params.structured is not None:  # refused, never silently unconstrained
+        raise InvalidRequest("structured output needs the engine (AsyncEngine), not this loop",
+                             param="structured")  # fmt: skip
     if not prompt_ids:
         raise InvalidRequest("prompt must contain at least one token")
     if eos_token_ids is None:
@@ -100,6 +104,7 @@ def generate(
     attention = next(c for c in cache if not isinstance(c, RaggedStateCache))
     session: DraftSession | None = drafter.open(prompt_ids) if drafter is not None else None
     stream = None if params.greedy else request_stream(params.seed)
+    history = TokenHistory(params, prompt_ids, target.vocab_size) if params.penalised else None
     steps: list[StepStats] = []
 
     def state() -> StepState:
@@ -118,8 +123,10 @@ def generate(
                 chunk_ids = prompt_ids[start : start + prefill_chunk]
                 drafter.commit(session, features[0], chunk_ids)
             mx.eval(logits[:, -1], [c.state for c in cache])
-        token = sample(logits[:, -1], params, stream).item()
+        token = sample(logits[:, -1], params, stream, history).item()
         stop.add([token])
+        if history is not None:
+            history.add([token])
         if on_step:
             on_step(state())
 
@@ -135,7 +142,9 @@ def generate(
             logits, features = target(verify_ids[None], cache)
             for layer_cache in states:
                 layer_cache.recording = False
-            target_tokens = sample(logits[0], params, stream)
+            # verify position j counts drafts[:j] as generated (penalties stay exact)
+            target_tokens = sample(logits[0], params, stream, history,
+                                   drafts if depth > 0 else None)  # fmt: skip
             if depth > 0:
                 matches = (drafts == target_tokens[:depth]).astype(mx.int32)
                 accepted_len = mx.cumprod(matches).sum()
@@ -143,6 +152,8 @@ def generate(
                 accepted_len = mx.array(0)
             mx.eval(target_tokens, accepted_len)  # the step's one host sync
             accepted = int(accepted_len.item())
+            if stream is not None:  # the rejected positions' draws go back (as the engine's)
+                stream.drawn -= depth - accepted
             committed = target_tokens[: accepted + 1].tolist()
             if states:
                 for layer_cache in cache:
@@ -159,6 +170,8 @@ def generate(
                 drafter.commit(session, features[0, : accepted + 1], cached_tokens)
             steps.append(StepStats(drafted=depth, accepted=accepted, committed=accepted + 1))
             stop.add(committed)
+            if history is not None:
+                history.add(committed)
             token = committed[-1]
             if on_step:
                 on_step(state())

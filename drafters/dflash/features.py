@@ -154,7 +154,10 @@ class FeatureStore:
                         np.memmap(directory / TOPK_LOGP_FILE, dtype=np.float16, mode="r+",
                                   shape=(total, top_k)))  # fmt: skip
             for b in range(done, len(batches)):
-                _write_batch(target, tokens, batches[b], offsets, data, tops)
+                if tops is None:
+                    _write_batch(target, tokens, batches[b], offsets, data)
+                else:
+                    _write_batch(target, tokens, batches[b], offsets, data, tops)
                 if (b + 1) % 16 == 0 or b + 1 == len(batches):
                     data.flush()  # the data before the count: a crash redoes, never skips
                     for array in tops or ():

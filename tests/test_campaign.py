@@ -288,3 +288,60 @@ def test_warm_start_on_a_target_without_qk_norms_matches_their_scale(llama_targe
     q = attn.q_norm(attn.split_heads(attn.q_proj(context), attn.n_heads))
     rms = float(mx.sqrt((q * q).mean(-1)).mean().item())
     assert rms == pytest.approx(scales["layers.0.q_norm"], rel=1e-3)
+
+
+# ------------------------------------------------------------------ eval keeps or restores
+def test_eval_keeps_a_better_checkpoint_and_restores_the_committed_one_otherwise(
+    tiny, tmp_path, monkeypatch
+):
+    import subprocess
+
+    target, target_dir = tiny
+    repo = tmp_path / "repo"
+    drafter_dir = repo / "engine" / "models" / "x_drafter"
+    corpus = (_records(6, target.vocab_size), _records(2, target.vocab_size, seed=1))
+    kwargs = dict(
+        target_name=str(target_dir),
+        drafter_dir=drafter_dir,
+        minutes=None,
+        checkpoint_minutes=1e9,
+        heldout_every=0,
+        command="test",
+        cache_root=tmp_path / "cache",
+        corpus=corpus,
+    )
+    campaign.run_sitting(recipe=_tiny_recipe(), max_steps=1, **kwargs)
+    taus = iter([2.0, 1.5, 2.5])
+    monkeypatch.setattr(campaign, "tau_eval", lambda *a: {"tau_mean": next(taus), "tau": {}})
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    # nothing committed: the first checkpoint always lands; then it is committed
+    first = campaign.run_eval(
+        "t", drafter_dir, 1, 8, "eval", repo_root=repo, rejected_root=tmp_path / "rejected"
+    )
+    assert first["kept"] and first["committed_tau_mean"] is None
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "checkpoint")
+    committed_weights = _weights(drafter_dir)
+
+    campaign.run_sitting(recipe=None, max_steps=2, **kwargs)  # a worse sitting (tau 1.5)
+    assert campaign.read_state(drafter_dir).step == 3
+    worse = campaign.run_eval(
+        "t", drafter_dir, 1, 8, "eval", repo_root=repo, rejected_root=tmp_path / "rejected"
+    )
+    assert not worse["kept"] and worse["committed_tau_mean"] == 2.0
+    assert campaign.read_state(drafter_dir).step == 1  # the committed state is back
+    for name, value in _weights(drafter_dir).items():
+        np.testing.assert_array_equal(value, committed_weights[name])
+    assert len(list((tmp_path / "rejected").iterdir())) == 1
+    stages = [s["stage"] for s in campaign.read_sittings(drafter_dir)]
+    assert stages == ["sitting", "eval", "sitting", "eval"]  # the log keeps the rejected one
+
+    campaign.run_sitting(recipe=None, max_steps=1, **kwargs)  # a better one (tau 2.5)
+    better = campaign.run_eval(
+        "t", drafter_dir, 1, 8, "eval", repo_root=repo, rejected_root=tmp_path / "rejected"
+    )
+    assert better["kept"] and campaign.read_state(drafter_dir).eval["tau_mean"] == 2.5

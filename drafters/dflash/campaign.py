@@ -691,12 +691,12 @@ def run_sitting(
 
 
 # =================================================================== held-out tau
-def committed_eval(drafter_dir: Path) -> dict[str, Any] | None:
+def committed_eval(drafter_dir: Path, repo_root: Path = REPO_ROOT) -> dict[str, Any] | None:
     """The eval of the checkpoint committed at HEAD (None: nothing committed yet)."""
     try:
-        rel = (drafter_dir / STATE_FILE).resolve().relative_to(REPO_ROOT)
+        rel = (drafter_dir / STATE_FILE).resolve().relative_to(repo_root.resolve())
         out = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "show", f"HEAD:{rel}"],
+            ["git", "-C", str(repo_root), "show", f"HEAD:{rel}"],
             capture_output=True,
             text=True,
             check=True,
@@ -752,14 +752,16 @@ def run_eval(
     max_tokens: int,
     command: str,
     force: bool = False,
+    repo_root: Path = REPO_ROOT,
+    rejected_root: Path = CACHE_ROOT,
 ) -> dict[str, Any]:
     """Held-out tau of the checkpoint in `drafter_dir`; it stays (and its state records the
     eval) when tau >= the committed checkpoint's (the first one always stays), else the
     committed files are restored from git and the candidate is moved to the cache. Either way
-    the sittings log records the eval."""
+    the sittings log records the eval (and keeps the sittings of a candidate it throws away)."""
     result = tau_eval(target_name, drafter_dir, prompts_per_kind, max_tokens)
     state = read_state(drafter_dir)
-    committed = committed_eval(drafter_dir)
+    committed = committed_eval(drafter_dir, repo_root)
     bar = None if committed is None else float(committed.get("tau_mean", 0.0))
     keep = force or bar is None or result["tau_mean"] >= bar
     entry = {
@@ -778,13 +780,13 @@ def run_eval(
         write_json(drafter_dir / SITTINGS_FILE, sittings)
         write_json(drafter_dir / STATE_FILE, state.to_dict())
     else:
-        keep_dir = CACHE_ROOT / f"rejected-step{state.step}-{int(time.time())}"
+        keep_dir = rejected_root / f"rejected-step{state.step}-{int(time.time())}"
         shutil.copytree(drafter_dir, keep_dir)
-        rel = drafter_dir.resolve().relative_to(REPO_ROOT)
+        rel = drafter_dir.resolve().relative_to(repo_root.resolve())
         subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "checkout", "HEAD", "--", str(rel)], check=True
+            ["git", "-C", str(repo_root), "checkout", "HEAD", "--", str(rel)], check=True
         )
-        write_json(drafter_dir / SITTINGS_FILE, read_sittings(drafter_dir) + sittings[-1:])
+        write_json(drafter_dir / SITTINGS_FILE, sittings)  # the log only grows
         log.info(
             "tau %.3f < committed %.3f: restored the committed checkpoint; candidate kept in %s",
             result["tau_mean"],

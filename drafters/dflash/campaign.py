@@ -404,12 +404,19 @@ class Trainer:
         mx.eval(self.model.parameters(), self.optimizer.state)
         return float(np.mean(losses)), float(np.mean(accs)), labels
 
-    def heldout(self, store: FeatureStore, sequences: list[TrainSequence]) -> dict[str, float]:
-        """Loss and accuracy over the whole draft head, every anchor of every held-out record,
-        cross-entropy only (comparable whatever the training loss)."""
+    def heldout(
+        self, store: FeatureStore, sequences: list[TrainSequence], anchors_per_record: int = 32
+    ) -> dict[str, float]:
+        """Loss and accuracy over the whole draft head, cross-entropy only (comparable whatever
+        the training loss), on the same `anchors_per_record` anchors of every held-out record
+        each time (0: all; on a loaded 2-core host all anchors of 32 records take ~30 min)."""
         loss_sum = acc_sum = weight_sum = 0.0
         for index, sequence in enumerate(sequences):
-            anchors = np.arange(max(sequence.prompt_tokens - 1, 0), len(sequence.tokens) - 1)
+            first = max(sequence.prompt_tokens - 1, 0)
+            anchors = np.arange(first, len(sequence.tokens) - 1)
+            if anchors_per_record and len(anchors) > anchors_per_record:
+                rng = np.random.default_rng([self.recipe.seed, 7919, index])
+                anchors = np.sort(rng.choice(anchors, anchors_per_record, replace=False))
             if len(anchors) == 0:
                 continue
             blocks, batch = self.blocks_of(store, index, sequence, anchors, None)
@@ -507,6 +514,7 @@ def run_sitting(
     command: str,
     cache_root: Path = CACHE_ROOT,
     val_records: int | None = None,
+    heldout_anchors: int = 16,
     log_every: int = 10,
     corpus: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
@@ -560,7 +568,7 @@ def run_sitting(
         stop.in_features = True
         val_store = trainer.store(val_seqs)
         stop.in_features = False
-        first_heldout = trainer.heldout(val_store, val_seqs)
+        first_heldout = trainer.heldout(val_store, val_seqs, heldout_anchors)
         record["heldout_start"] = first_heldout
         log.info(
             "held-out at step %d: loss %.4f acc %.4f",
@@ -661,7 +669,7 @@ def run_sitting(
                         cursor.wraps,
                     )
                 if heldout_every and (sitting_step == 100 or sitting_step % heldout_every == 0):
-                    state.heldout = trainer.heldout(val_store, val_seqs)
+                    state.heldout = trainer.heldout(val_store, val_seqs, heldout_anchors)
                     log.info(
                         "held-out at step %d: loss %.4f acc %.4f",
                         state.step,
@@ -670,19 +678,23 @@ def run_sitting(
                     )
                     if sitting_step == 100:
                         record["heldout_after_100"] = state.heldout
-                if time.time() - last_save >= checkpoint_minutes * 60:
-                    save("periodic")
+                if shard_done or time.time() - last_save >= checkpoint_minutes * 60:
+                    # before the next shard's feature pass too: it may take many minutes
+                    save("shard done" if shard_done else "periodic")
                     last_save = time.time()
                 if shard_done:
                     break
-        state.heldout = trainer.heldout(val_store, val_seqs)
+        reason = stop.reason or "end"
+        if sitting_step:
+            save(reason)  # at once: the held-out pass below takes minutes on a loaded host
+        state.heldout = trainer.heldout(val_store, val_seqs, heldout_anchors)
         log.info(
             "held-out at step %d: loss %.4f acc %.4f",
             state.step,
             state.heldout["loss"],
             state.heldout["acc"],
         )
-        save(stop.reason or "end")
+        save(reason + ", held-out loss recorded")
         log.info("sitting done: %s", json.dumps(record))
         return record
     finally:
@@ -797,6 +809,51 @@ def run_eval(
     return entry
 
 
+# =================================================================== loss speed
+def loss_speed(target_name: str, recipe: Recipe, rounds: int) -> dict[str, Any]:
+    """Seconds per micro-step (forward + backward, no update) of each loss, interleaved round
+    by round on the same sequences and anchors, so a loaded host slows every arm alike."""
+    target, target_dir = load_target(target_name, None, recipe.layers)
+    train_records, _ = corpus_split(target_name)
+    seqs = to_sequences(train_records, recipe.max_len)
+    shard = [seqs[i] for i in shard_slices(len(seqs), recipe.shard_records)[0]]
+    model, vocab = new_drafter(target, target_dir, recipe, seqs)
+    trainer = Trainer(
+        target, target_name, model, State(recipe=recipe), vocab, CACHE_ROOT / Path(target_name).name
+    )
+    store = trainer.store(shard)
+    arms = {
+        "full": (False, 0.0),
+        "full+distill": (False, 0.5),
+        "candidates": (True, 0.0),
+        "candidates+distill": (True, 0.5),
+    }
+    seconds = {name: 0.0 for name in arms}
+    labels = 0.0
+    for r in range(rounds + 1):  # round 0 warms every arm up and is not counted
+        index = r % len(shard)
+        rng = np.random.default_rng([recipe.seed, r])
+        sequence = shard[index]
+        anchors = sample_anchors(
+            len(sequence.tokens), recipe.num_anchors, rng, max(sequence.prompt_tokens - 1, 0)
+        )
+        recipe.candidates = True  # negatives are sampled; the full arms ignore them
+        blocks, batch = trainer.blocks_of(store, index, sequence, anchors, rng)
+        features = store.get(index)
+        if r:
+            labels += float((batch.weights > 0).sum())
+        for name, (candidates, distill) in arms.items():
+            t = time.perf_counter()
+            (loss, _), grads = trainer._grad(features, blocks, batch, candidates, distill)
+            mx.eval(loss, grads)
+            if r:
+                seconds[name] += time.perf_counter() - t
+    return {
+        name: {"s_per_sequence": round(s / rounds, 3), "labels_per_s": round(labels / s, 1)}
+        for name, s in seconds.items()
+    }
+
+
 # =================================================================== CLI
 def _recipe_from_args(args: argparse.Namespace) -> Recipe:
     recipe = Recipe()
@@ -814,6 +871,7 @@ def _recipe_from_args(args: argparse.Namespace) -> Recipe:
         "layers",
         "draft_vocab",
         "top_k",
+        "warmup_steps",
     ):
         value = getattr(args, name, None)
         if value is not None:
@@ -827,14 +885,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("action", choices=("run", "eval", "measure", "features"))
+    parser.add_argument("action", choices=("run", "eval", "measure", "features", "speed"))
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--drafter-dir", type=Path, default=DEFAULT_DRAFTER_DIR)
     parser.add_argument("--minutes", type=float, help="run: stop (and save) after this long")
     parser.add_argument("--steps", type=int, help="run/measure: stop after this many steps")
     parser.add_argument("--checkpoint-minutes", type=float, default=10.0)
     parser.add_argument("--heldout-every", type=int, default=250)
-    parser.add_argument("--val-records", type=int, help="held-out records used (default all)")
+    parser.add_argument("--val-records", type=int, help="held-out records used (default: all)")
+    parser.add_argument("--heldout-anchors", type=int, default=16, help="per record (0: all)")
+    parser.add_argument("--warmup-steps", type=int)
     parser.add_argument("--log-file", type=Path)
     parser.add_argument("--shard", type=int, default=0, help="features: which shard")
     # recipe (a new campaign, or `measure`; a resumed campaign keeps its stored recipe)
@@ -876,6 +936,7 @@ def main(argv: list[str] | None = None) -> int:
             heldout_every=args.heldout_every,
             command=command,
             val_records=args.val_records,
+            heldout_anchors=args.heldout_anchors,
         )
     elif args.action == "eval":
         run_eval(args.target, args.drafter_dir, args.prompts, args.max_tokens, command, args.force)
@@ -891,6 +952,7 @@ def main(argv: list[str] | None = None) -> int:
                 heldout_every=0,
                 command=command,
                 val_records=args.val_records,
+                heldout_anchors=args.heldout_anchors,
             )
         line = json.dumps(
             {
@@ -913,6 +975,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             with args.out.open("a") as f:
                 f.write(line + "\n")
+    elif args.action == "speed":
+        print(
+            json.dumps(loss_speed(args.target, _recipe_from_args(args), args.steps or 4), indent=1)
+        )
     elif args.action == "features":
         recipe = _recipe_from_args(args)
         target, _ = load_target(args.target, None, recipe.layers)

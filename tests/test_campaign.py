@@ -345,3 +345,38 @@ def test_eval_keeps_a_better_checkpoint_and_restores_the_committed_one_otherwise
         "t", drafter_dir, 1, 8, "eval", repo_root=repo, rejected_root=tmp_path / "rejected"
     )
     assert better["kept"] and campaign.read_state(drafter_dir).eval["tau_mean"] == 2.5
+
+
+def test_sigterm_finishes_the_step_saves_and_stops(tiny, tmp_path, monkeypatch):
+    import os
+    import signal
+
+    target, target_dir = tiny
+    corpus = (_records(8, target.vocab_size), _records(2, target.vocab_size, seed=1))
+    real_step = campaign.Trainer.step
+    calls = []
+
+    def step_then_term(self, *args):
+        out = real_step(self, *args)
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` from the lead's shell
+        return out
+
+    monkeypatch.setattr(campaign.Trainer, "step", step_then_term)
+    previous = signal.getsignal(signal.SIGTERM)
+    record = campaign.run_sitting(
+        target_name=str(target_dir),
+        drafter_dir=tmp_path / "d",
+        recipe=_tiny_recipe(),
+        minutes=None,
+        max_steps=None,
+        checkpoint_minutes=1e9,
+        heldout_every=0,
+        command="t",
+        cache_root=tmp_path / "cache",
+        corpus=corpus,
+    )
+    assert record["saved"].startswith("SIGTERM") and record["steps"] == 2
+    assert campaign.read_state(tmp_path / "d").step == 2
+    assert signal.getsignal(signal.SIGTERM) == previous  # the handler is put back

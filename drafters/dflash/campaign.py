@@ -277,7 +277,6 @@ def save_checkpoint(
         directory / "config.json",
         lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"),
     )
-    # mx.save_safetensors appends ".safetensors" to a name without it: give it one.
     _replace(directory / WEIGHTS_FILE, lambda p: _save_tensors(p, weights))
     vocab_path = directory / VOCAB_FILE
     if draft_vocab is not None and not vocab_path.exists():
@@ -288,7 +287,11 @@ def save_checkpoint(
 
 
 def _save_tensors(path: Path, tensors: dict[str, mx.array]) -> None:
-    staged = path.with_name(path.name + ".safetensors")
+    # mx.save_safetensors insists on a ".safetensors" name; stage it in a subdirectory, where
+    # a drafter loader (every top-level *.safetensors) never sees a half-written file.
+    staging = path.parent / "training" / ".staging"
+    staging.mkdir(parents=True, exist_ok=True)
+    staged = staging / (path.name + ".safetensors")
     mx.save_safetensors(str(staged), tensors, metadata={"format": "mlx"})
     os.replace(staged, path)
 

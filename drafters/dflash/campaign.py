@@ -815,7 +815,8 @@ def run_eval(
 # =================================================================== loss speed
 def loss_speed(target_name: str, recipe: Recipe, rounds: int) -> dict[str, Any]:
     """Seconds per micro-step (forward + backward, no update) of each loss, interleaved round
-    by round on the same sequences and anchors, so a loaded host slows every arm alike."""
+    by round on the same sequences and anchors (the order rotating), so a loaded host slows
+    every arm alike; medians over the rounds."""
     target, target_dir = load_target(target_name, None, recipe.layers)
     train_records, _ = corpus_split(target_name)
     seqs = to_sequences(train_records, recipe.max_len)
@@ -831,8 +832,9 @@ def loss_speed(target_name: str, recipe: Recipe, rounds: int) -> dict[str, Any]:
         "candidates": (True, 0.0),
         "candidates+distill": (True, 0.5),
     }
-    seconds = {name: 0.0 for name in arms}
-    labels = 0.0
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    labels: list[float] = []
+    names = list(arms)
     for r in range(rounds + 1):  # round 0 warms every arm up and is not counted
         index = r % len(shard)
         rng = np.random.default_rng([recipe.seed, r])
@@ -843,18 +845,25 @@ def loss_speed(target_name: str, recipe: Recipe, rounds: int) -> dict[str, Any]:
         recipe.candidates = True  # negatives are sampled; the full arms ignore them
         blocks, batch = trainer.blocks_of(store, index, sequence, anchors, rng)
         features = store.get(index)
+        mx.eval(features)
         if r:
-            labels += float((batch.weights > 0).sum())
-        for name, (candidates, distill) in arms.items():
+            labels.append(float((batch.weights > 0).sum()))
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
+            candidates, distill = arms[name]
             t = time.perf_counter()
             (loss, _), grads = trainer._grad(features, blocks, batch, candidates, distill)
             mx.eval(loss, grads)
             if r:
-                seconds[name] += time.perf_counter() - t
+                times[name].append(time.perf_counter() - t)
+    per_label = {n: float(np.median(np.array(t) / np.array(labels))) for n, t in times.items()}
     return {
-        name: {"s_per_sequence": round(s / rounds, 3), "labels_per_s": round(labels / s, 1)}
-        for name, s in seconds.items()
-    }
+        name: {
+            "median_s_per_sequence": round(float(np.median(times[name])), 3),
+            "labels_per_s": round(1.0 / per_label[name], 1),
+            "vs_full": round(per_label["full"] / per_label[name], 2),
+        }
+        for name in arms
+    } | {"rounds": rounds, "labels_per_sequence": round(float(np.mean(labels)), 1)}
 
 
 # =================================================================== CLI

@@ -380,3 +380,27 @@ def test_sigterm_finishes_the_step_saves_and_stops(tiny, tmp_path, monkeypatch):
     assert record["saved"].startswith("SIGTERM") and record["steps"] == 2
     assert campaign.read_state(tmp_path / "d").step == 2
     assert signal.getsignal(signal.SIGTERM) == previous  # the handler is put back
+
+
+def test_card_lists_every_sitting_and_eval(tiny, tmp_path, monkeypatch):
+    target, target_dir = tiny
+    corpus = (_records(6, target.vocab_size), _records(2, target.vocab_size, seed=1))
+    drafter_dir = tmp_path / "d"
+    kwargs = dict(
+        target_name=str(target_dir),
+        drafter_dir=drafter_dir,
+        minutes=None,
+        max_steps=1,
+        checkpoint_minutes=1e9,
+        heldout_every=0,
+        cache_root=tmp_path / "cache",
+        corpus=corpus,
+    )
+    campaign.run_sitting(recipe=_tiny_recipe(), command="first sitting", **kwargs)
+    campaign.run_sitting(recipe=None, command="second sitting", **kwargs)
+    monkeypatch.setattr(campaign, "tau_eval", lambda *a: {"tau_mean": 1.5, "tau": {"chat": 1.5}})
+    campaign.run_eval("t", drafter_dir, 1, 8, "eval", repo_root=tmp_path / "no-repo")
+    card = campaign.write_card(drafter_dir, "tiny").read_text()
+    assert "`first sitting`" in card and "`second sitting`" in card
+    assert "| 2 | 1.500 | chat 1.50 | kept |" in card
+    assert "candidate-set loss" in card and "warm start" not in card

@@ -812,6 +812,79 @@ def run_eval(
     return entry
 
 
+# =================================================================== model card
+def write_card(drafter_dir: Path, target_name: str) -> Path:
+    """MODEL_CARD.md beside the drafter: recipe, every sitting and every eval, from the
+    state and the sittings log (regenerate it before each checkpoint commit)."""
+    state = read_state(drafter_dir)
+    config = read_config(drafter_dir)
+    r = state.recipe
+    sittings = read_sittings(drafter_dir)
+    rows, evals = [], []
+    for s in sittings:
+        if s.get("stage") == "eval":
+            taus = " / ".join(f"{k} {v:.2f}" for k, v in s.get("tau", {}).items())
+            kept = "kept" if s.get("kept") else "rejected (committed one restored)"
+            evals.append(
+                f"| {s['at']} | {s['step']} | {s.get('tau_mean', 0):.3f} | {taus} | {kept} |"
+            )
+            continue
+        start, end = s.get("heldout_start") or {}, s.get("heldout_end") or {}
+        hundred = s.get("heldout_after_100") or {}
+        rows.append(
+            f"| {s['at']} | `{s['command']}` | {s.get('step_start', 0)}-{s.get('step_end', '?')} "
+            f"| {s.get('seconds', 0) / 3600:.2f} | {s.get('labels_per_s') or 0:.0f} "
+            f"| {start.get('loss', float('nan')):.3f} | {hundred.get('loss', float('nan')):.3f} "
+            f"| {end.get('loss', float('nan')):.3f} / {end.get('acc', float('nan')):.3f} |"
+        )
+    chosen = []
+    if r.candidates:
+        chosen.append(f"candidate-set loss (top-{r.top_k} + label + {r.negatives} negatives)")
+    if r.distill > 0:
+        chosen.append(f"distillation (alpha {r.distill:.2f} on KL to the target's top-{r.top_k})")
+    if r.warm_start:
+        chosen.append(f"warm start from the target's top {r.layers} layers")
+    levers = ", ".join(chosen) or "none (full draft-vocabulary cross-entropy, random init)"
+    card = f"""# DFlash drafter for `{target_name}`
+
+Trained by `python -m drafters.dflash.campaign` on a 2-core x86_64 CPU (MLX CPU backend,
+float32 compute), a sitting at a time; the training state lives beside the weights
+(`training/state.json`, `training/sittings.json`), so each sitting continues the last.
+z-lab layout: `config.json` + `model.safetensors` (bf16), draft vocabulary in
+`draft_vocab.safetensors` (EAGLE-3 `d2t`). The embeddings and LM head are the target's.
+
+- {config.num_hidden_layers} target-shaped layers, hidden {config.hidden_size}, block size
+  {config.block_size}, taps {config.target_layer_ids}, mask token {config.mask_token_id},
+  draft vocabulary {r.draft_vocab} rows.
+- Recipe: {r.batch_size} sequences x {r.num_anchors} anchors a step, AdamW lr {r.lr}
+  (warmup {r.warmup_steps}, re-warm {r.rewarm_steps} after each resume, cosine over
+  {r.horizon_steps} steps to {r.min_lr_fraction:.0%}); levers: {levers}.
+- Data: the corpus parts in `drafters/dflash/corpus/{Path(target_name).name}/`, in shards of
+  {r.shard_records} records, {r.passes_per_shard} passes each; 1 key in {VAL_MODULUS} held out.
+- Now: step {state.step}, {state.labels_seen:,} labels seen, cursor shard
+  {state.cursor.shard} pass {state.cursor.pass_} record {state.cursor.position}, corpus
+  wrapped {state.cursor.wraps} time(s).
+
+## Sittings
+
+Held-out loss: cross-entropy over the whole draft vocabulary on fixed anchors of the held-out
+records (start of the sitting, after 100 of its steps, end / accuracy at the end).
+
+| at (UTC) | command | steps | hours | labels/s | held-out start | after 100 | end / acc |
+|---|---|---|---:|---:|---:|---:|---:|
+{chr(10).join(rows)}
+
+## Held-out tau (greedy, the bench's `mix` split, depth {config.block_size - 1})
+
+| at (UTC) | step | mean tau | per kind | outcome |
+|---|---:|---:|---|---|
+{chr(10).join(evals)}
+"""
+    path = drafter_dir / "MODEL_CARD.md"
+    path.write_text(card)
+    return path
+
+
 # =================================================================== loss speed
 def loss_speed(target_name: str, recipe: Recipe, rounds: int) -> dict[str, Any]:
     """Seconds per micro-step (forward + backward, no update) of each loss, interleaved round
@@ -897,7 +970,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("action", choices=("run", "eval", "measure", "features", "speed"))
+    parser.add_argument("action", choices=("run", "eval", "measure", "features", "speed", "card"))
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--drafter-dir", type=Path, default=DEFAULT_DRAFTER_DIR)
     parser.add_argument("--minutes", type=float, help="run: stop (and save) after this long")
@@ -987,6 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             with args.out.open("a") as f:
                 f.write(line + "\n")
+    elif args.action == "card":
+        print(f"card written to {write_card(args.drafter_dir, args.target)}")
     elif args.action == "speed":
         print(
             json.dumps(loss_speed(args.target, _recipe_from_args(args), args.steps or 4), indent=1)

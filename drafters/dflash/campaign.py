@@ -252,6 +252,7 @@ def _replace(path: Path, write: Any) -> None:
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are package data
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)

@@ -12,6 +12,10 @@ one sequence at a time, an hour for a million tokens), so this module
 
 A store is keyed by the target's tapped layers and the exact token sequences, so a grown
 corpus or another drafter layout gets a store of its own.
+
+With `top_k`, the same forward also keeps the target's `top_k` next-token log-probabilities per
+position (int32 ids + float16 log-probs, 6 bytes a candidate): distillation and candidate-set
+losses train on them, and the LM head they cost is ~20% of the forward, not a second pass.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ log = logging.getLogger(__name__)
 DATA_FILE = "features.f32"
 INDEX_FILE = "index.json"
 PROGRESS_FILE = "progress.json"
+TOPK_IDS_FILE = "topk_ids.i32"
+TOPK_LOGP_FILE = "topk_logp.f16"
 
 
 def store_key(tokens: Sequence[np.ndarray], layer_ids: Sequence[int], target_name: str) -> str:
@@ -62,13 +68,19 @@ def length_batches(lengths: Sequence[int], batch_tokens: int, max_rows: int) -> 
 class FeatureStore:
     """Features [S, K*d] of each training sequence, in one memory-mapped float32 file."""
 
-    def __init__(self, directory: Path, offsets: np.ndarray, width: int) -> None:
+    def __init__(self, directory: Path, offsets: np.ndarray, width: int, top_k: int = 0) -> None:
         self.directory = directory
         self.offsets = offsets  # [n + 1]: sequence i spans rows offsets[i]..offsets[i+1]
         self.width = width
+        self.top_k = top_k
         total = int(offsets[-1])
         self._data = np.memmap(directory / DATA_FILE, dtype=np.float32, mode="r",
                                shape=(total, width))  # fmt: skip
+        if top_k:
+            self._topk_ids = np.memmap(directory / TOPK_IDS_FILE, dtype=np.int32, mode="r",
+                                       shape=(total, top_k))  # fmt: skip
+            self._topk_logp = np.memmap(directory / TOPK_LOGP_FILE, dtype=np.float16, mode="r",
+                                        shape=(total, top_k))  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -78,6 +90,15 @@ class FeatureStore:
         stand where an in-memory cache is used; it is not needed)."""
         start, end = int(self.offsets[index]), int(self.offsets[index + 1])
         return mx.array(np.asarray(self._data[start:end]))[None]
+
+    def top(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """The target's top-k next-token ids [S, k] (descending) and their log-probabilities
+        [S, k] (float32, normalised over the whole vocabulary): row p predicts token p + 1."""
+        if not self.top_k:
+            raise ValueError(f"feature store {self.directory} was built without top_k")
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        return (np.asarray(self._topk_ids[start:end]),
+                np.asarray(self._topk_logp[start:end], dtype=np.float32))  # fmt: skip
 
     @classmethod
     def build(
@@ -89,9 +110,11 @@ class FeatureStore:
         *,
         batch_tokens: int = 2048,
         max_rows: int = 8,
+        top_k: int = 0,
     ) -> FeatureStore:
-        """The store of these sequences under `root`, computing what is not on disk yet."""
-        key = store_key(tokens, target.layer_ids, target_name)
+        """The store of these sequences under `root`, computing what is not on disk yet
+        (with `top_k`, also the target's top-k next-token log-probabilities)."""
+        key = store_key(tokens, target.layer_ids, target_name + (f"|top{top_k}" if top_k else ""))
         directory = Path(root) / f"features-{key}"
         directory.mkdir(parents=True, exist_ok=True)
         lengths = [len(t) for t in tokens]
@@ -101,6 +124,8 @@ class FeatureStore:
         index_path, progress_path = directory / INDEX_FILE, directory / PROGRESS_FILE
         index = {"sequences": len(tokens), "tokens": int(offsets[-1]), "width": width,
                  "layer_ids": list(target.layer_ids), "target": target_name}  # fmt: skip
+        if top_k:
+            index["top_k"] = top_k
         if index_path.exists() and _read_index(index_path) != index:
             # Not the store this key names (a store written by other code, or cut short while
             # its index was written): start it over rather than read features of other shapes.
@@ -110,22 +135,38 @@ class FeatureStore:
             progress_path.unlink(missing_ok=True)  # counts batches of a data file now replaced
             np.memmap(directory / DATA_FILE, dtype=np.float32, mode="w+",
                       shape=(int(offsets[-1]), width)).flush()  # fmt: skip
+            if top_k:
+                for name, dtype in ((TOPK_IDS_FILE, np.int32), (TOPK_LOGP_FILE, np.float16)):
+                    np.memmap(directory / name, dtype=dtype, mode="w+",
+                              shape=(int(offsets[-1]), top_k)).flush()  # fmt: skip
             index_path.write_text(json.dumps(index, indent=1) + "\n")
         done = json.loads(progress_path.read_text())["batches"] if progress_path.exists() else 0
         if done < len(batches):
             log.info("target features: %d of %d batches on disk in %s; computing the rest",
                      done, len(batches), directory)  # fmt: skip
+            total = int(offsets[-1])
             data = np.memmap(directory / DATA_FILE, dtype=np.float32, mode="r+",
-                             shape=(int(offsets[-1]), width))  # fmt: skip
+                             shape=(total, width))  # fmt: skip
+            tops = None
+            if top_k:
+                tops = (np.memmap(directory / TOPK_IDS_FILE, dtype=np.int32, mode="r+",
+                                  shape=(total, top_k)),
+                        np.memmap(directory / TOPK_LOGP_FILE, dtype=np.float16, mode="r+",
+                                  shape=(total, top_k)))  # fmt: skip
             for b in range(done, len(batches)):
-                _write_batch(target, tokens, batches[b], offsets, data)
+                if tops is None:
+                    _write_batch(target, tokens, batches[b], offsets, data)
+                else:
+                    _write_batch(target, tokens, batches[b], offsets, data, tops)
                 if (b + 1) % 16 == 0 or b + 1 == len(batches):
                     data.flush()  # the data before the count: a crash redoes, never skips
+                    for array in tops or ():
+                        array.flush()
                     progress_path.write_text(json.dumps({"batches": b + 1}) + "\n")
                 if (b + 1) % 64 == 0:
                     log.info("target features: batch %d of %d", b + 1, len(batches))
-            del data
-        return cls(directory, offsets, width)
+            del data, tops
+        return cls(directory, offsets, width, top_k)
 
 
 def _read_index(path: Path) -> dict | None:
@@ -141,13 +182,35 @@ def _write_batch(
     members: list[int],
     offsets: np.ndarray,
     data: np.memmap,
+    tops: tuple[np.memmap, np.memmap] | None = None,
 ) -> None:
     longest = max(len(tokens[i]) for i in members)
     ids = np.zeros((len(members), longest), dtype=np.int32)
     for row, i in enumerate(members):
         ids[row, : len(tokens[i])] = tokens[i]
-    # Only the features are evaluated: MLX never computes the unused logits (the LM head).
-    _, features = target(mx.array(ids))
+    # Without `tops` only the features are evaluated: MLX never computes the unused logits.
+    logits, features = target(mx.array(ids))
     features = np.asarray(features.astype(mx.float32))
     for row, i in enumerate(members):
         data[int(offsets[i]) : int(offsets[i + 1])] = features[row, : len(tokens[i])]
+    if tops is not None:
+        top_ids, top_logp = top_k_logprobs(logits, tops[0].shape[1])
+        for row, i in enumerate(members):
+            n = len(tokens[i])
+            tops[0][int(offsets[i]) : int(offsets[i + 1])] = top_ids[row, :n]
+            tops[1][int(offsets[i]) : int(offsets[i + 1])] = top_logp[row, :n]
+
+
+def top_k_logprobs(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest next-token log-probabilities of logits [..., V], descending: ids (int32)
+    and log-probs (float32, normalised over all V)."""
+    logits = logits.astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    ids = mx.argpartition(-logp, k - 1, axis=-1)[..., :k]
+    values = mx.take_along_axis(logp, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    ids, values = (
+        mx.take_along_axis(ids, order, axis=-1),
+        mx.take_along_axis(values, order, axis=-1),
+    )
+    return np.asarray(ids.astype(mx.int32)), np.asarray(values)

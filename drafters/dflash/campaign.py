@@ -1,0 +1,1094 @@
+"""A DFlash training campaign whose state lives in the repository, so every sitting continues
+the last one on any machine.
+
+    python -m drafters.dflash.campaign run [--minutes N]      # one sitting (SIGTERM: save, stop)
+    python -m drafters.dflash.campaign eval                   # held-out tau; keep or restore
+    python -m drafters.dflash.campaign measure --steps 40 ... # a lever, from scratch, no repo write
+    python -m drafters.dflash.campaign features [--shard N]   # a shard's features, ahead of time
+
+What the repository holds (`engine/models/smollm2_drafter/`, the registry's drafter directory):
+
+- `config.json` + `model.safetensors`: the drafter's own weights in bfloat16, z-lab layout (the
+  embeddings and LM head are the target's), and `draft_vocab.safetensors` (`vocab.py`);
+- `training/state.json`: optimizer steps, labels seen, the schedule position, the data cursor
+  (shard, pass over it, records done in the pass, times the corpus wrapped) and the recipe;
+- `training/sittings.json`: every sitting (command, steps, hours, labels a second, held-out loss)
+  and every `eval` (tau per kind).
+
+No optimizer moments are kept (they would triple the checkpoint and every commit): a resume
+starts AdamW afresh and re-warms the learning rate over `rewarm_steps`. Files are written under
+temporary names and renamed, `state.json` last, so a crash mid-save leaves the previous state
+(at worst a few records are trained again).
+
+Data: the corpus parts in the repository (`drafters.dflash.corpus`) in the order they were
+written, minus a fixed held-out slice (keys whose hash is 0 mod `VAL_MODULUS`), cut into shards of
+`shard_records` records. A sitting computes target features only for the shard the cursor is on
+(plus its top-k next-token log-probabilities, for the levers), in a per-machine cache under
+`~/.cache/flashbatch/campaign/`, trains `passes_per_shard` passes over it (fresh anchors each
+pass), moves on, and wraps to shard 0 once the corpus is used up. A corpus grown by new parts
+just has more shards.
+"""
+
+from __future__ import annotations
+
+import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
+
+# isort: split
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+
+from drafters.dflash.checkpoint import load_dflash_model, read_config
+from drafters.dflash.corpus import corpus_dir, read_parts
+from drafters.dflash.features import FeatureStore
+from drafters.dflash.levers import lever_batch, lever_loss, sample_negatives
+from drafters.dflash.model import DFlashDraftModel
+from drafters.dflash.train import (
+    BlockBatch,
+    TrainSequence,
+    block_hidden_states,
+    block_row_mask,
+    default_gamma,
+    drafter_config_for_target,
+    init_drafter,
+    make_blocks,
+    sample_anchors,
+)
+from drafters.dflash.vocab import D2T_KEY, DraftHead, choose_draft_vocab, read_draft_vocab, to_d2t
+from engine.target import TargetAdapter
+
+log = logging.getLogger("campaign")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_DRAFTER_DIR = REPO_ROOT / "engine" / "models" / "smollm2_drafter"
+CACHE_ROOT = Path.home() / ".cache" / "flashbatch" / "campaign"
+WEIGHTS_FILE = "model.safetensors"
+VOCAB_FILE = "draft_vocab.safetensors"
+STATE_FILE = "training/state.json"
+SITTINGS_FILE = "training/sittings.json"
+VAL_MODULUS = 128  # 1 record in 128 (by key hash) is held out: ~31 of 3,967
+EVAL_KINDS = ("completion", "editing", "chat", "prose")
+
+
+# =================================================================== recipe and cursor
+@dataclass
+class Recipe:
+    """Everything that decides what a sitting trains; stored in state.json, kept on resume."""
+
+    layers: int = 2
+    block_size: int = 8
+    mask_token_id: int = 16  # `<empty_output>`: the last vocabulary row is an ordinary word
+    draft_vocab: int = 16384
+    num_anchors: int = 64  # blocks per sequence
+    batch_size: int = 4  # sequences per optimizer step
+    max_len: int = 768
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 100  # from initialisation
+    rewarm_steps: int = 50  # after every resume (fresh AdamW moments)
+    horizon_steps: int = 20000  # cosine decay to min_lr_fraction over this many steps
+    min_lr_fraction: float = 0.1
+    shard_records: int = 512
+    passes_per_shard: int = 3
+    top_k: int = 8  # target top-k kept by the feature pass (~50 bytes a token)
+    candidates: bool = False  # lever (i): candidate-set loss
+    negatives: int = 256  # shared sampled negatives of the candidate set
+    distill: float = 0.0  # lever (ii): weight of KL(target top-k || drafter)
+    warm_start: bool = False  # lever (iii): drafter layers from the target's top layers
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Recipe:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+@dataclass
+class Cursor:
+    """Where the data stream stands: records `position` onward of pass `pass_` over shard
+    `shard` are next; `wraps` counts the times the whole corpus was used up."""
+
+    shard: int = 0
+    pass_: int = 0
+    position: int = 0
+    wraps: int = 0
+
+    def advance(self, records: int, shard_size: int, num_shards: int, passes: int) -> bool:
+        """Move past `records` records of a shard of `shard_size`; True when the shard changed
+        (the pass is done and it was the last pass over this shard)."""
+        self.position += records
+        if self.position < shard_size:
+            return False
+        self.position = 0
+        self.pass_ += 1
+        if self.pass_ < passes:
+            return False
+        self.pass_ = 0
+        self.shard += 1
+        if self.shard >= num_shards:
+            self.shard = 0
+            self.wraps += 1
+        return True
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Cursor:
+        return cls(**{k: int(v) for k, v in raw.items() if k in {f.name for f in fields(cls)}})
+
+
+@dataclass
+class State:
+    """`training/state.json`: all a resume needs besides the weights."""
+
+    recipe: Recipe = field(default_factory=Recipe)
+    step: int = 0  # optimizer steps, all sittings
+    labels_seen: int = 0  # weighted block rows with a label, all sittings
+    sequences_seen: int = 0
+    cursor: Cursor = field(default_factory=Cursor)
+    heldout: dict[str, Any] | None = None  # last held-out loss/acc and its step
+    eval: dict[str, Any] | None = None  # last accepted tau eval
+    saved_at: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["schedule"] = {
+            "step": self.step,
+            "horizon_steps": self.recipe.horizon_steps,
+            "lr_after_warmup": learning_rate(self.recipe, self.step, 10**9),
+        }
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> State:
+        return cls(
+            recipe=Recipe.from_dict(raw.get("recipe", {})),
+            step=int(raw.get("step", 0)),
+            labels_seen=int(raw.get("labels_seen", 0)),
+            sequences_seen=int(raw.get("sequences_seen", 0)),
+            cursor=Cursor.from_dict(raw.get("cursor", {})),
+            heldout=raw.get("heldout"),
+            eval=raw.get("eval"),
+            saved_at=raw.get("saved_at", ""),
+        )
+
+
+def learning_rate(recipe: Recipe, step: int, sitting_step: int, resumed: bool = False) -> float:
+    """Warmup (a short re-warm after a resume: AdamW starts without moments), then cosine decay
+    over the campaign's horizon by the global step, down to `min_lr_fraction`."""
+    warm = recipe.rewarm_steps if resumed else recipe.warmup_steps
+    ramp = min(1.0, (sitting_step + 1) / max(1, warm))
+    progress = min(1.0, step / max(1, recipe.horizon_steps))
+    floor = recipe.min_lr_fraction
+    return recipe.lr * ramp * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# =================================================================== corpus and shards
+def is_held_out(key: str) -> bool:
+    return int(hashlib.sha1(key.encode()).hexdigest(), 16) % VAL_MODULUS == 0
+
+
+def corpus_split(target: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train, held-out) records of the repository corpus, in the order the parts hold them."""
+    records = read_parts(corpus_dir(target))
+    train = [r for r in records if not is_held_out(r["key"])]
+    return train, [r for r in records if is_held_out(r["key"])]
+
+
+def shard_slices(count: int, shard_records: int) -> list[range]:
+    """Consecutive shards of `shard_records` (the last may be shorter; a tail of under half a
+    shard joins the one before, so no shard is tiny)."""
+    bounds = list(range(0, count, shard_records)) + [count]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] < shard_records // 2:
+        bounds.pop(-2)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def to_sequences(records: list[dict[str, Any]], max_len: int) -> list[TrainSequence]:
+    return [
+        TrainSequence(np.asarray(r["tokens"][:max_len], np.int32), int(r["prompt_tokens"]))
+        for r in records
+    ]
+
+
+# =================================================================== repository checkpoint
+def has_state(directory: Path) -> bool:
+    return (directory / STATE_FILE).is_file()
+
+
+def read_state(directory: Path) -> State:
+    return State.from_dict(json.loads((directory / STATE_FILE).read_text()))
+
+
+def read_sittings(directory: Path) -> list[dict[str, Any]]:
+    path = directory / SITTINGS_FILE
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def _replace(path: Path, write: Any) -> None:
+    """Write `path` through a temporary file in the same directory and rename it over."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are package data
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def write_json(path: Path, value: Any) -> None:
+    _replace(path, lambda p: p.write_text(json.dumps(value, indent=1) + "\n"))
+
+
+def save_checkpoint(
+    directory: Path,
+    model: DFlashDraftModel,
+    state: State,
+    draft_vocab: np.ndarray | None,
+    sittings: list[dict[str, Any]],
+) -> None:
+    """The drafter (bf16, z-lab layout) and its training state, each file renamed into place,
+    weights first and `state.json` last."""
+    config = model.config.to_dict()
+    config["torch_dtype"] = "bfloat16"
+    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
+    _replace(
+        directory / "config.json",
+        lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"),
+    )
+    _replace(directory / WEIGHTS_FILE, lambda p: _save_tensors(p, weights))
+    vocab_path = directory / VOCAB_FILE
+    if draft_vocab is not None and not vocab_path.exists():
+        _replace(vocab_path, lambda p: _save_tensors(p, {D2T_KEY: to_d2t(draft_vocab)}))
+    state.saved_at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    write_json(directory / SITTINGS_FILE, sittings)
+    write_json(directory / STATE_FILE, state.to_dict())
+
+
+def _save_tensors(path: Path, tensors: dict[str, mx.array]) -> None:
+    # mx.save_safetensors insists on a ".safetensors" name; stage it in a subdirectory, where
+    # a drafter loader (every top-level *.safetensors) never sees a half-written file.
+    staging = path.parent / "training" / ".staging"
+    staging.mkdir(parents=True, exist_ok=True)
+    staged = staging / (path.name + ".safetensors")
+    mx.save_safetensors(str(staged), tensors, metadata={"format": "mlx"})
+    os.replace(staged, path)
+
+
+def load_checkpoint(directory: Path) -> tuple[DFlashDraftModel, State, np.ndarray | None]:
+    """The drafter (float32, for training), its state and its draft vocabulary."""
+    model = load_dflash_model(directory, dtype=mx.float32)
+    return model, read_state(directory), read_draft_vocab(directory)
+
+
+# =================================================================== training pieces
+def block_states(
+    model: DFlashDraftModel, target: TargetAdapter, features: mx.array, blocks: BlockBatch
+) -> mx.array:
+    """Final-normed drafter states [N, B-1, d] of the block rows that carry labels."""
+    dtype = model.norm.weight.dtype
+    embeddings = mx.stop_gradient(target.embed(mx.array(blocks.block_ids))).astype(dtype)
+    mask = mx.array(block_row_mask(features.shape[1], blocks.anchors, blocks.block_ids.shape[1]))
+    anchors = mx.array(blocks.anchors, dtype=mx.int32)
+    return block_hidden_states(model, features, embeddings, anchors, mask)[:, 1:]
+
+
+class Trainer:
+    """The drafter, its frozen target and head, and one sitting's optimizer."""
+
+    def __init__(
+        self,
+        target: TargetAdapter,
+        target_name: str,
+        model: DFlashDraftModel,
+        state: State,
+        draft_vocab: np.ndarray | None,
+        cache_root: Path,
+    ) -> None:
+        self.target, self.target_name, self.model, self.state = target, target_name, model, state
+        self.recipe = state.recipe
+        self.draft_vocab = draft_vocab
+        self.head = DraftHead(target, draft_vocab) if draft_vocab is not None else None
+        if self.head is not None:
+            self.head_weight, self.index_of = self.head.weight, self.head.index_of
+        else:
+            self.head_weight = target.head_rows(mx.arange(target.vocab_size))
+            self.index_of = None
+        self.head_weight = mx.stop_gradient(self.head_weight.astype(mx.float32))
+        mx.eval(self.head_weight)
+        self.cache_root = cache_root
+        self.gamma = default_gamma(self.recipe.block_size)
+        self.optimizer = optim.AdamW(
+            learning_rate=self.recipe.lr, weight_decay=self.recipe.weight_decay
+        )
+        self._grad = nn.value_and_grad(model, self._loss)
+
+    def _loss(
+        self, features: mx.array, blocks: BlockBatch, batch: Any, candidates: bool, distill: float
+    ) -> tuple[mx.array, mx.array]:
+        hidden = block_states(self.model, self.target, features, blocks)
+        return lever_loss(hidden, self.head_weight, batch, candidates=candidates, distill=distill)
+
+    def store(self, sequences: list[TrainSequence]) -> FeatureStore:
+        return FeatureStore.build(
+            self.target,
+            [s.tokens for s in sequences],
+            self.cache_root / "features",
+            self.target_name,
+            top_k=self.recipe.top_k,
+        )
+
+    def blocks_of(
+        self,
+        store: FeatureStore,
+        index: int,
+        sequence: TrainSequence,
+        anchors: np.ndarray,
+        rng: np.random.Generator | None,
+    ) -> tuple[BlockBatch, Any]:
+        r = self.recipe
+        blocks = make_blocks(sequence.tokens, anchors, r.block_size, r.mask_token_id, self.gamma)
+        top_ids, top_logp = store.top(index)
+        negatives = None
+        if r.candidates and r.negatives and rng is not None:
+            negatives = sample_negatives(self.head_weight.shape[0], r.negatives, rng)
+        return blocks, lever_batch(blocks, top_ids, top_logp, self.index_of, negatives)
+
+    def step(
+        self, store: FeatureStore, members: list[int], sequences: list[TrainSequence], lr: float
+    ) -> tuple[float, float, float]:
+        """One optimizer step over `members` of the store; (loss, acc, labels)."""
+        r = self.recipe
+        grads_sum, losses, accs, labels = None, [], [], 0.0
+        for k, index in enumerate(members):
+            rng = np.random.default_rng([r.seed, self.state.step, k])
+            sequence = sequences[index]
+            anchors = sample_anchors(
+                len(sequence.tokens), r.num_anchors, rng, max(sequence.prompt_tokens - 1, 0)
+            )
+            if len(anchors) == 0:
+                continue
+            blocks, batch = self.blocks_of(store, index, sequence, anchors, rng)
+            (loss, acc), grads = self._grad(
+                store.get(index), blocks, batch, r.candidates, r.distill
+            )
+            grads_sum = grads if grads_sum is None else tree_map(mx.add, grads_sum, grads)
+            mx.eval(grads_sum, loss, acc)
+            losses.append(loss.item())
+            accs.append(acc.item())
+            labels += float((batch.weights > 0).sum())
+        if grads_sum is None:
+            return math.nan, math.nan, 0.0
+        grads = tree_map(lambda g: g / len(losses), grads_sum)
+        grads, _ = optim.clip_grad_norm(grads, r.grad_clip)
+        self.optimizer.learning_rate = lr
+        self.optimizer.update(self.model, grads)
+        mx.eval(self.model.parameters(), self.optimizer.state)
+        return float(np.mean(losses)), float(np.mean(accs)), labels
+
+    def heldout(
+        self, store: FeatureStore, sequences: list[TrainSequence], anchors_per_record: int = 32
+    ) -> dict[str, float]:
+        """Loss and accuracy over the whole draft head, cross-entropy only (comparable whatever
+        the training loss), on the same `anchors_per_record` anchors of every held-out record
+        each time (0: all; on a loaded 2-core host all anchors of 32 records take ~30 min)."""
+        loss_sum = acc_sum = weight_sum = 0.0
+        for index, sequence in enumerate(sequences):
+            first = max(sequence.prompt_tokens - 1, 0)
+            anchors = np.arange(first, len(sequence.tokens) - 1)
+            if anchors_per_record and len(anchors) > anchors_per_record:
+                rng = np.random.default_rng([self.recipe.seed, 7919, index])
+                anchors = np.sort(rng.choice(anchors, anchors_per_record, replace=False))
+            if len(anchors) == 0:
+                continue
+            blocks, batch = self.blocks_of(store, index, sequence, anchors, None)
+            hidden = block_states(self.model, self.target, store.get(index), blocks)
+            loss, acc = lever_loss(hidden, self.head_weight, batch, candidates=False, distill=0.0)
+            weight = float(batch.weights.sum())
+            loss_sum += loss.item() * weight
+            acc_sum += acc.item() * weight
+            weight_sum += weight
+        return {
+            "loss": loss_sum / max(weight_sum, 1e-9),
+            "acc": acc_sum / max(weight_sum, 1e-9),
+            "step": self.state.step,
+        }
+
+
+def new_drafter(
+    target: TargetAdapter, target_dir: Path, recipe: Recipe, train_sequences: list[TrainSequence]
+) -> tuple[DFlashDraftModel, np.ndarray | None]:
+    """A fresh drafter (random, or warm-started) and its draft vocabulary (from the corpus)."""
+    raw = json.loads((target_dir / "config.json").read_text())
+    config = drafter_config_for_target(
+        raw,
+        num_layers=recipe.layers,
+        block_size=recipe.block_size,
+        mask_token_id=recipe.mask_token_id,
+    )
+    model = init_drafter(config, recipe.seed)
+    if recipe.warm_start:
+        from drafters.dflash.warm_start import warm_start
+
+        sample = np.concatenate([s.tokens for s in train_sequences[:8]])[:2048]
+        scales = warm_start(model, TargetAdapter_for(target, config), sample)
+        log.info(
+            "warm start from the target's top %d layers; q/k norm scales %s",
+            recipe.layers,
+            {k: round(v, 3) for k, v in scales.items()},
+        )
+    vocab = None
+    if 0 < recipe.draft_vocab < target.vocab_size:
+        vocab = choose_draft_vocab(
+            (s.tokens for s in train_sequences), recipe.draft_vocab, target.vocab_size
+        )
+    return model, vocab
+
+
+def TargetAdapter_for(target: TargetAdapter, config: Any) -> TargetAdapter:  # noqa: N802
+    if target.layer_ids != list(config.target_layer_ids):
+        raise ValueError(
+            f"target tapped at {target.layer_ids}, drafter needs {config.target_layer_ids}"
+        )
+    return target
+
+
+# =================================================================== a sitting
+class Stop:
+    """SIGTERM/SIGINT: finish the optimizer step, save, leave. During the feature pass (minutes
+    of target forwards, resumable from its progress file) it interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.in_features = False
+        self.reason = ""
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        self.reason = signal.Signals(signum).name
+        log.info("%s received: stopping after the current step", self.reason)
+        if self.in_features:
+            raise KeyboardInterrupt
+
+
+def load_target(name: str, layer_ids: list[int] | None, layers: int) -> tuple[TargetAdapter, Path]:
+    from drafters.dflash.config import default_target_layer_ids
+    from engine.loading import load_target_model
+    from engine.models.resolve import resolve_target
+
+    target_dir = resolve_target(name)
+    model, _ = load_target_model(target_dir)
+    if layer_ids is None:
+        raw = json.loads((target_dir / "config.json").read_text())
+        layer_ids = default_target_layer_ids(int(raw["num_hidden_layers"]), layers)
+    return TargetAdapter(model, list(layer_ids)), target_dir
+
+
+def run_sitting(
+    *,
+    target_name: str,
+    drafter_dir: Path,
+    recipe: Recipe | None,
+    minutes: float | None,
+    max_steps: int | None,
+    checkpoint_minutes: float,
+    heldout_every: int,
+    command: str,
+    cache_root: Path = CACHE_ROOT,
+    val_records: int | None = None,
+    heldout_anchors: int = 16,
+    log_every: int = 10,
+    corpus: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
+    """Resume (or start) the campaign in `drafter_dir` and train until `minutes` pass,
+    `max_steps` steps are done, or SIGTERM; checkpoint every `checkpoint_minutes` and at the
+    end. Returns the sitting's record (also in the sittings log). `corpus` (train, held-out
+    records) replaces the repository's (tests)."""
+    started = time.time()
+    stop = Stop()
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        resumed = has_state(drafter_dir)
+        train_records, val = corpus or corpus_split(target_name)
+        if resumed:
+            config = read_config(drafter_dir)
+            target, target_dir = load_target(
+                target_name, config.target_layer_ids, config.num_hidden_layers
+            )
+            model, state, vocab = load_checkpoint(drafter_dir)
+            log.info("resumed %s at step %d, cursor %s", drafter_dir, state.step, state.cursor)
+            if recipe is not None and asdict(recipe) != asdict(state.recipe):
+                log.info("a resumed campaign keeps its stored recipe %s", asdict(state.recipe))
+        else:
+            recipe = recipe or Recipe()
+            target, target_dir = load_target(target_name, None, recipe.layers)
+            sequences = to_sequences(train_records, recipe.max_len)
+            model, vocab = new_drafter(target, target_dir, recipe, sequences)
+            state = State(recipe=recipe)
+            log.info("initialised a drafter in %s (recipe %s)", drafter_dir, asdict(recipe))
+        recipe = state.recipe
+        trainer = Trainer(
+            target, target_name, model, state, vocab, cache_root / Path(target_name).name
+        )
+        train_seqs = to_sequences(train_records, recipe.max_len)
+        val_seqs = to_sequences(val[:val_records] if val_records else val, recipe.max_len)
+        shards = shard_slices(len(train_seqs), recipe.shard_records)
+        sittings = read_sittings(drafter_dir)
+        record: dict[str, Any] = {
+            "stage": "sitting",
+            "command": command,
+            "host": platform.node(),
+            "at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            "resumed": resumed,
+            "step_start": state.step,
+            "labels_start": state.labels_seen,
+            "recipe": asdict(recipe),
+            "corpus_records": len(train_records),
+            "shards": len(shards),
+        }
+        sittings.append(record)
+        stop.in_features = True
+        val_store = trainer.store(val_seqs)
+        stop.in_features = False
+        first_heldout = trainer.heldout(val_store, val_seqs, heldout_anchors)
+        record["heldout_start"] = first_heldout
+        log.info(
+            "held-out at step %d: loss %.4f acc %.4f",
+            state.step,
+            first_heldout["loss"],
+            first_heldout["acc"],
+        )
+        sitting_step, train_seconds, feature_seconds, labels = 0, 0.0, 0.0, 0.0
+        last_save = time.time()
+        losses: list[float] = []
+        accs: list[float] = []
+
+        def save(reason: str) -> None:
+            record.update(
+                {
+                    "step_end": state.step,
+                    "steps": state.step - record["step_start"],
+                    "labels": int(labels),
+                    "seconds": round(time.time() - started),
+                    "train_seconds": round(train_seconds),
+                    "feature_seconds": round(feature_seconds),
+                    "labels_per_s": round(labels / train_seconds, 1) if train_seconds else None,
+                    "steps_per_s": round(sitting_step / train_seconds, 4)
+                    if train_seconds
+                    else None,
+                    "cursor": asdict(state.cursor),
+                    "heldout_end": state.heldout,
+                    "saved": reason,
+                }
+            )
+            save_checkpoint(drafter_dir, model, state, vocab, sittings)
+            log.info(
+                "checkpoint (%s): step %d, cursor %s -> %s",
+                reason,
+                state.step,
+                asdict(state.cursor),
+                drafter_dir / STATE_FILE,
+            )
+
+        while not stop.requested:
+            if minutes is not None and time.time() - started >= minutes * 60:
+                stop.reason = f"{minutes} minutes"
+                break
+            if max_steps is not None and sitting_step >= max_steps:
+                stop.reason = f"{max_steps} steps"
+                break
+            cursor = state.cursor
+            if cursor.shard >= len(shards):  # the corpus shrank (never, in practice)
+                cursor.shard, cursor.pass_, cursor.position = 0, 0, 0
+            shard = shards[cursor.shard]
+            shard_seqs = [train_seqs[i] for i in shard]
+            t0 = time.time()
+            stop.in_features = True
+            try:
+                store = trainer.store(shard_seqs)
+            except KeyboardInterrupt:
+                feature_seconds += time.time() - t0
+                break
+            finally:
+                stop.in_features = False
+            feature_seconds += time.time() - t0
+            order = np.random.default_rng(
+                [recipe.seed, cursor.shard, cursor.wraps, cursor.pass_]
+            ).permutation(len(shard_seqs))
+            while not stop.requested and not (max_steps is not None and sitting_step >= max_steps):
+                if minutes is not None and time.time() - started >= minutes * 60:
+                    break
+                members = [
+                    int(i) for i in order[cursor.position : cursor.position + recipe.batch_size]
+                ]
+                lr = learning_rate(recipe, state.step, sitting_step, resumed)
+                t1 = time.time()
+                loss, acc, n = trainer.step(store, members, shard_seqs, lr)
+                train_seconds += time.time() - t1
+                state.step += 1
+                sitting_step += 1
+                labels += n
+                state.labels_seen += int(n)
+                state.sequences_seen += len(members)
+                losses.append(loss)
+                accs.append(acc)
+                shard_done = cursor.advance(
+                    len(members), len(shard_seqs), len(shards), recipe.passes_per_shard
+                )
+                if sitting_step % log_every == 0:
+                    log.info(
+                        "step %d loss %.4f acc %.3f lr %.2e | %.1f labels/s %.3f steps/s | "
+                        "shard %d pass %d pos %d wraps %d",
+                        state.step,
+                        np.mean(losses[-log_every:]),
+                        np.mean(accs[-log_every:]),
+                        lr,
+                        labels / train_seconds,
+                        sitting_step / train_seconds,
+                        cursor.shard,
+                        cursor.pass_,
+                        cursor.position,
+                        cursor.wraps,
+                    )
+                if heldout_every and (sitting_step == 100 or sitting_step % heldout_every == 0):
+                    state.heldout = trainer.heldout(val_store, val_seqs, heldout_anchors)
+                    log.info(
+                        "held-out at step %d: loss %.4f acc %.4f",
+                        state.step,
+                        state.heldout["loss"],
+                        state.heldout["acc"],
+                    )
+                    if sitting_step == 100:
+                        record["heldout_after_100"] = state.heldout
+                if shard_done or time.time() - last_save >= checkpoint_minutes * 60:
+                    # before the next shard's feature pass too: it may take many minutes
+                    save("shard done" if shard_done else "periodic")
+                    last_save = time.time()
+                if shard_done:
+                    break
+        reason = stop.reason or "end"
+        if sitting_step:
+            save(reason)  # at once: the held-out pass below takes minutes on a loaded host
+        state.heldout = trainer.heldout(val_store, val_seqs, heldout_anchors)
+        log.info(
+            "held-out at step %d: loss %.4f acc %.4f",
+            state.step,
+            state.heldout["loss"],
+            state.heldout["acc"],
+        )
+        save(reason + ", held-out loss recorded")
+        log.info("sitting done: %s", json.dumps(record))
+        return record
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+# =================================================================== held-out tau
+def committed_eval(drafter_dir: Path, repo_root: Path = REPO_ROOT) -> dict[str, Any] | None:
+    """The eval of the checkpoint committed at HEAD (None: nothing committed yet)."""
+    try:
+        rel = (drafter_dir / STATE_FILE).resolve().relative_to(repo_root.resolve())
+        out = subprocess.run(
+            ["git", "-C", str(repo_root), "show", f"HEAD:{rel}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (ValueError, subprocess.CalledProcessError, FileNotFoundError):
+        return None
+    return json.loads(out.stdout).get("eval") or {"tau_mean": 0.0}
+
+
+def tau_eval(
+    target_name: str, drafter_dir: Path, prompts_per_kind: int, max_tokens: int
+) -> dict[str, Any]:
+    """Greedy tau per kind on held-out prompts of the mix (the bench's `mix` split), at the
+    drafter's own block size, with the real speculative loop."""
+    from drafters.dflash.datagen import encode
+    from drafters.dflash.prompt_mix import build_prompts
+    from engine.loading import load_pair
+    from engine.sampling import SamplingParams
+    from engine.speculative import generate
+
+    pair = load_pair(target_name, drafter_dir)
+    depth = read_config(drafter_dir).block_size - 1
+    held = build_prompts("held_out", prompts_per_kind)
+    taus: dict[str, float] = {}
+    started = time.time()
+    for kind in EVAL_KINDS:
+        steps = committed = 0
+        for prompt in (p for p in held if p.kind == kind):
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, num_speculative_tokens=depth
+            )
+            out = generate(
+                pair.target, encode(pair.tokenizer, prompt), params, drafter=pair.drafter
+            )
+            steps += len(out.steps)
+            committed += sum(s.committed for s in out.steps)
+        taus[kind] = round(committed / max(steps, 1), 4)
+        log.info("tau %s: %.3f", kind, taus[kind])
+    return {
+        "tau": taus,
+        "tau_mean": round(float(np.mean(list(taus.values()))), 4),
+        "prompts_per_kind": prompts_per_kind,
+        "max_tokens": max_tokens,
+        "depth": depth,
+        "seconds": round(time.time() - started),
+    }
+
+
+def run_eval(
+    target_name: str,
+    drafter_dir: Path,
+    prompts_per_kind: int,
+    max_tokens: int,
+    command: str,
+    force: bool = False,
+    repo_root: Path = REPO_ROOT,
+    rejected_root: Path = CACHE_ROOT,
+) -> dict[str, Any]:
+    """Held-out tau of the checkpoint in `drafter_dir`; it stays (and its state records the
+    eval) when tau >= the committed checkpoint's (the first one always stays), else the
+    committed files are restored from git and the candidate is moved to the cache. Either way
+    the sittings log records the eval (and keeps the sittings of a candidate it throws away)."""
+    result = tau_eval(target_name, drafter_dir, prompts_per_kind, max_tokens)
+    state = read_state(drafter_dir)
+    committed = committed_eval(drafter_dir, repo_root)
+    bar = None if committed is None else float(committed.get("tau_mean", 0.0))
+    keep = force or bar is None or result["tau_mean"] >= bar
+    entry = {
+        "stage": "eval",
+        "command": command,
+        "at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "step": state.step,
+        "labels_seen": state.labels_seen,
+        **result,
+        "committed_tau_mean": bar,
+        "kept": keep,
+    }
+    sittings = read_sittings(drafter_dir) + [entry]
+    if keep:
+        state.eval = {**result, "step": state.step, "at": entry["at"]}
+        write_json(drafter_dir / SITTINGS_FILE, sittings)
+        write_json(drafter_dir / STATE_FILE, state.to_dict())
+    else:
+        keep_dir = rejected_root / f"rejected-step{state.step}-{int(time.time())}"
+        shutil.copytree(drafter_dir, keep_dir)
+        rel = drafter_dir.resolve().relative_to(repo_root.resolve())
+        subprocess.run(
+            ["git", "-C", str(repo_root), "checkout", "HEAD", "--", str(rel)], check=True
+        )
+        write_json(drafter_dir / SITTINGS_FILE, sittings)  # the log only grows
+        log.info(
+            "tau %.3f < committed %.3f: restored the committed checkpoint; candidate kept in %s",
+            result["tau_mean"],
+            bar,
+            keep_dir,
+        )
+    print(json.dumps(entry, indent=1))
+    return entry
+
+
+# =================================================================== model card
+def write_card(drafter_dir: Path, target_name: str) -> Path:
+    """MODEL_CARD.md beside the drafter: recipe, every sitting and every eval, from the
+    state and the sittings log (regenerate it before each checkpoint commit)."""
+    state = read_state(drafter_dir)
+    config = read_config(drafter_dir)
+    r = state.recipe
+    sittings = read_sittings(drafter_dir)
+    rows, evals = [], []
+    for s in sittings:
+        if s.get("stage") == "eval":
+            taus = " / ".join(f"{k} {v:.2f}" for k, v in s.get("tau", {}).items())
+            kept = "kept" if s.get("kept") else "rejected (committed one restored)"
+            evals.append(
+                f"| {s['at']} | {s['step']} | {s.get('tau_mean', 0):.3f} | {taus} | {kept} |"
+            )
+            continue
+        start, end = s.get("heldout_start") or {}, s.get("heldout_end") or {}
+        hundred = s.get("heldout_after_100") or {}
+        rows.append(
+            f"| {s['at']} | `{s['command']}` | {s.get('step_start', 0)}-{s.get('step_end', '?')} "
+            f"| {s.get('seconds', 0) / 3600:.2f} | {s.get('labels_per_s') or 0:.0f} "
+            f"| {start.get('loss', float('nan')):.3f} | {hundred.get('loss', float('nan')):.3f} "
+            f"| {end.get('loss', float('nan')):.3f} / {end.get('acc', float('nan')):.3f} |"
+        )
+    chosen = []
+    if r.candidates:
+        chosen.append(f"candidate-set loss (top-{r.top_k} + label + {r.negatives} negatives)")
+    if r.distill > 0:
+        chosen.append(f"distillation (alpha {r.distill:.2f} on KL to the target's top-{r.top_k})")
+    if r.warm_start:
+        chosen.append(f"warm start from the target's top {r.layers} layers")
+    levers = ", ".join(chosen) or "none (full draft-vocabulary cross-entropy, random init)"
+    card = f"""# DFlash drafter for `{target_name}`
+
+Trained by `python -m drafters.dflash.campaign` on a 2-core x86_64 CPU (MLX CPU backend,
+float32 compute), a sitting at a time; the training state lives beside the weights
+(`training/state.json`, `training/sittings.json`), so each sitting continues the last.
+z-lab layout: `config.json` + `model.safetensors` (bf16), draft vocabulary in
+`draft_vocab.safetensors` (EAGLE-3 `d2t`). The embeddings and LM head are the target's.
+
+- {config.num_hidden_layers} target-shaped layers, hidden {config.hidden_size}, block size
+  {config.block_size}, taps {config.target_layer_ids}, mask token {config.mask_token_id},
+  draft vocabulary {r.draft_vocab} rows.
+- Recipe: {r.batch_size} sequences x {r.num_anchors} anchors a step, AdamW lr {r.lr}
+  (warmup {r.warmup_steps}, re-warm {r.rewarm_steps} after each resume, cosine over
+  {r.horizon_steps} steps to {r.min_lr_fraction:.0%}); levers: {levers}.
+- Data: the corpus parts in `drafters/dflash/corpus/{Path(target_name).name}/`, in shards of
+  {r.shard_records} records, {r.passes_per_shard} passes each; 1 key in {VAL_MODULUS} held out.
+- Now: step {state.step}, {state.labels_seen:,} labels seen, cursor shard
+  {state.cursor.shard} pass {state.cursor.pass_} record {state.cursor.position}, corpus
+  wrapped {state.cursor.wraps} time(s).
+
+## Sittings
+
+Held-out loss: cross-entropy over the whole draft vocabulary on fixed anchors of the held-out
+records (start of the sitting, after 100 of its steps, end / accuracy at the end).
+
+| at (UTC) | command | steps | hours | labels/s | held-out start | after 100 | end / acc |
+|---|---|---|---:|---:|---:|---:|---:|
+{chr(10).join(rows)}
+
+## Held-out tau (greedy, the bench's `mix` split, depth {config.block_size - 1})
+
+| at (UTC) | step | mean tau | per kind | outcome |
+|---|---:|---:|---|---|
+{chr(10).join(evals)}
+"""
+    path = drafter_dir / "MODEL_CARD.md"
+    path.write_text(card)
+    return path
+
+
+# =================================================================== loss speed
+def loss_speed(target_name: str, recipe: Recipe, rounds: int) -> dict[str, Any]:
+    """Seconds per micro-step (forward + backward, no update) of each loss, interleaved round
+    by round on the same sequences and anchors (the order rotating), so a loaded host slows
+    every arm alike; medians over the rounds."""
+    target, target_dir = load_target(target_name, None, recipe.layers)
+    train_records, _ = corpus_split(target_name)
+    seqs = to_sequences(train_records, recipe.max_len)
+    shard = [seqs[i] for i in shard_slices(len(seqs), recipe.shard_records)[0]]
+    model, vocab = new_drafter(target, target_dir, recipe, seqs)
+    trainer = Trainer(
+        target, target_name, model, State(recipe=recipe), vocab, CACHE_ROOT / Path(target_name).name
+    )
+    store = trainer.store(shard)
+    arms = {
+        "full": (False, 0.0),
+        "full+distill": (False, 0.5),
+        "candidates": (True, 0.0),
+        "candidates+distill": (True, 0.5),
+    }
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    labels: list[float] = []
+    names = list(arms)
+    for r in range(rounds + 1):  # round 0 warms every arm up and is not counted
+        index = r % len(shard)
+        rng = np.random.default_rng([recipe.seed, r])
+        sequence = shard[index]
+        anchors = sample_anchors(
+            len(sequence.tokens), recipe.num_anchors, rng, max(sequence.prompt_tokens - 1, 0)
+        )
+        recipe.candidates = True  # negatives are sampled; the full arms ignore them
+        blocks, batch = trainer.blocks_of(store, index, sequence, anchors, rng)
+        features = store.get(index)
+        mx.eval(features)
+        if r:
+            labels.append(float((batch.weights > 0).sum()))
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
+            candidates, distill = arms[name]
+            t = time.perf_counter()
+            (loss, _), grads = trainer._grad(features, blocks, batch, candidates, distill)
+            mx.eval(loss, grads)
+            if r:
+                times[name].append(time.perf_counter() - t)
+    per_label = {n: float(np.median(np.array(t) / np.array(labels))) for n, t in times.items()}
+    return {
+        name: {
+            "median_s_per_sequence": round(float(np.median(times[name])), 3),
+            "labels_per_s": round(1.0 / per_label[name], 1),
+            "vs_full": round(per_label["full"] / per_label[name], 2),
+        }
+        for name in arms
+    } | {"rounds": rounds, "labels_per_sequence": round(float(np.mean(labels)), 1)}
+
+
+# =================================================================== CLI
+def _recipe_from_args(args: argparse.Namespace) -> Recipe:
+    recipe = Recipe()
+    for name in (
+        "candidates",
+        "distill",
+        "warm_start",
+        "negatives",
+        "lr",
+        "shard_records",
+        "passes_per_shard",
+        "batch_size",
+        "num_anchors",
+        "block_size",
+        "layers",
+        "draft_vocab",
+        "top_k",
+        "warmup_steps",
+    ):
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(recipe, name, value)
+    return recipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = "python -m drafters.dflash.campaign " + " ".join(shlex.quote(a) for a in argv)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("action", choices=("run", "eval", "measure", "features", "speed", "card"))
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--drafter-dir", type=Path, default=DEFAULT_DRAFTER_DIR)
+    parser.add_argument("--minutes", type=float, help="run: stop (and save) after this long")
+    parser.add_argument("--steps", type=int, help="run/measure: stop after this many steps")
+    parser.add_argument("--checkpoint-minutes", type=float, default=10.0)
+    parser.add_argument("--heldout-every", type=int, default=250)
+    parser.add_argument("--val-records", type=int, help="held-out records used (default: all)")
+    parser.add_argument("--heldout-anchors", type=int, default=16, help="per record (0: all)")
+    parser.add_argument("--warmup-steps", type=int)
+    parser.add_argument("--log-file", type=Path)
+    parser.add_argument("--shard", type=int, default=0, help="features: which shard")
+    # recipe (a new campaign, or `measure`; a resumed campaign keeps its stored recipe)
+    parser.add_argument("--candidates", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--negatives", type=int)
+    parser.add_argument("--distill", type=float)
+    parser.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--shard-records", type=int)
+    parser.add_argument("--passes-per-shard", type=int)
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--num-anchors", type=int)
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--draft-vocab", type=int)
+    parser.add_argument("--top-k", type=int)
+    # eval
+    parser.add_argument("--prompts", type=int, default=3, help="eval: held-out prompts per kind")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--force", action="store_true", help="eval: keep even if tau is lower")
+    parser.add_argument("--out", type=Path, help="measure: append the result (JSON line) here")
+    args = parser.parse_args(argv)
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if args.log_file:
+        handlers.append(logging.FileHandler(args.log_file))
+    logging.basicConfig(
+        level=logging.INFO,
+        handlers=handlers,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.action == "run":
+        run_sitting(
+            target_name=args.target,
+            drafter_dir=args.drafter_dir,
+            recipe=_recipe_from_args(args),
+            minutes=args.minutes,
+            max_steps=args.steps,
+            checkpoint_minutes=args.checkpoint_minutes,
+            heldout_every=args.heldout_every,
+            command=command,
+            val_records=args.val_records,
+            heldout_anchors=args.heldout_anchors,
+        )
+    elif args.action == "eval":
+        run_eval(args.target, args.drafter_dir, args.prompts, args.max_tokens, command, args.force)
+    elif args.action == "measure":
+        with tempfile.TemporaryDirectory(prefix="campaign-measure-") as tmp:
+            record = run_sitting(
+                target_name=args.target,
+                drafter_dir=Path(tmp),
+                recipe=_recipe_from_args(args),
+                minutes=args.minutes,
+                max_steps=args.steps or 40,
+                checkpoint_minutes=1e9,
+                heldout_every=0,
+                command=command,
+                val_records=args.val_records,
+                heldout_anchors=args.heldout_anchors,
+            )
+        line = json.dumps(
+            {
+                "command": command,
+                **{
+                    k: record.get(k)
+                    for k in (
+                        "steps",
+                        "labels",
+                        "train_seconds",
+                        "labels_per_s",
+                        "steps_per_s",
+                        "heldout_start",
+                        "heldout_end",
+                    )
+                },
+            }
+        )
+        print(line)
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(line + "\n")
+    elif args.action == "card":
+        print(f"card written to {write_card(args.drafter_dir, args.target)}")
+    elif args.action == "speed":
+        print(
+            json.dumps(loss_speed(args.target, _recipe_from_args(args), args.steps or 4), indent=1)
+        )
+    elif args.action == "features":
+        recipe = _recipe_from_args(args)
+        target, _ = load_target(args.target, None, recipe.layers)
+        train_records, val = corpus_split(args.target)
+        seqs = to_sequences(train_records, recipe.max_len)
+        shard = shard_slices(len(seqs), recipe.shard_records)[args.shard]
+        started = time.time()
+        for part in (to_sequences(val, recipe.max_len), [seqs[i] for i in shard]):
+            FeatureStore.build(
+                target,
+                [s.tokens for s in part],
+                CACHE_ROOT / Path(args.target).name / "features",
+                args.target,
+                top_k=recipe.top_k,
+            )
+        tokens = sum(len(seqs[i].tokens) for i in shard)
+        print(
+            f"shard {args.shard}: {len(shard)} records, {tokens} tokens, "
+            f"{time.time() - started:.0f} s"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

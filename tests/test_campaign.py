@@ -1,0 +1,406 @@
+"""The training campaign: repository checkpoint round trip and resume, the shard cursor, the
+cheaper losses against a plain reference computation, and the warm start (tiny real models)."""
+
+from __future__ import annotations
+
+import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
+
+# isort: split
+import json
+from pathlib import Path
+
+import factories
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from drafters.dflash import campaign
+from drafters.dflash.campaign import Cursor, Recipe
+from drafters.dflash.features import FeatureStore
+from drafters.dflash.levers import lever_batch, lever_loss, sample_negatives
+from drafters.dflash.train import init_drafter, make_blocks, sample_anchors
+from drafters.dflash.vocab import DraftHead
+from drafters.dflash.warm_start import warm_start
+from engine.bundled.pair import bundled_paths
+from engine.loading import load_target_model
+from engine.target import TargetAdapter
+
+
+# ------------------------------------------------------------------ cursor and shards
+def test_cursor_advances_through_passes_and_shards_then_wraps():
+    cursor = Cursor()
+    changed = [cursor.advance(4, shard_size=8, num_shards=2, passes=2) for _ in range(8)]
+    # 2 steps a pass, 2 passes a shard: shard changes after steps 4 and 8 (the second wraps)
+    assert changed == [False, False, False, True, False, False, False, True]
+    assert (cursor.shard, cursor.pass_, cursor.position, cursor.wraps) == (0, 0, 0, 1)
+    cursor = Cursor()
+    cursor.advance(4, 8, 2, 2)
+    assert (cursor.shard, cursor.pass_, cursor.position) == (0, 0, 4)
+    cursor.advance(4, 8, 2, 2)
+    assert (cursor.shard, cursor.pass_, cursor.position) == (0, 1, 0)
+    cursor.advance(3, 3, 2, 1)  # a short last batch still finishes the pass
+    assert (cursor.shard, cursor.pass_, cursor.position, cursor.wraps) == (1, 0, 0, 0)
+
+
+def test_shards_cover_the_corpus_once_and_absorb_a_small_tail():
+    shards = campaign.shard_slices(1100, 512)
+    assert [len(s) for s in shards] == [512, 588]  # a 76-record tail joins the last shard
+    assert [i for s in shards for i in s] == list(range(1100))
+    assert [len(s) for s in campaign.shard_slices(1300, 512)] == [512, 512, 276]
+
+
+def test_learning_rate_rewarms_after_a_resume_and_decays_by_global_step():
+    r = Recipe(lr=1e-3, warmup_steps=100, rewarm_steps=10, horizon_steps=1000)
+    assert campaign.learning_rate(r, 0, 0) == pytest.approx(1e-5)
+    assert campaign.learning_rate(r, 500, 0, resumed=True) < campaign.learning_rate(r, 500, 9, True)
+    assert campaign.learning_rate(r, 5000, 50, True) == pytest.approx(1e-4)  # the floor
+
+
+# ------------------------------------------------------------------ tiny real pair
+@pytest.fixture(scope="module")
+def tiny(qwen3_target_dir: Path):
+    model, _ = load_target_model(qwen3_target_dir)
+    target = TargetAdapter(model, [1, 4])
+    return target, qwen3_target_dir
+
+
+def _records(n: int, vocab: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "key": f"r{i}",
+            "prompt_tokens": 6,
+            "tokens": rng.integers(3, vocab, size=int(rng.integers(20, 40))).tolist(),
+        }
+        for i in range(n)
+    ]
+
+
+def _tiny_recipe(**overrides) -> Recipe:
+    fields = dict(
+        layers=2,
+        block_size=4,
+        mask_token_id=2,
+        draft_vocab=128,
+        num_anchors=6,
+        batch_size=2,
+        shard_records=4,
+        passes_per_shard=1,
+        top_k=4,
+        warmup_steps=2,
+        rewarm_steps=1,
+        candidates=True,
+        negatives=16,
+        distill=0.5,
+    )
+    fields.update(overrides)
+    return Recipe(**fields)
+
+
+def _weights(directory: Path) -> dict[str, np.ndarray]:
+    tensors = mx.load(str(directory / campaign.WEIGHTS_FILE))
+    return {k: np.array(v.astype(mx.float32)) for k, v in tensors.items()}
+
+
+def test_sitting_checkpoints_into_the_directory_and_the_next_one_resumes(tiny, tmp_path):
+    target, target_dir = tiny
+    vocab = target.vocab_size
+    corpus = (_records(10, vocab), _records(2, vocab, seed=1))
+    drafter_dir = tmp_path / "drafter"
+    kwargs = dict(
+        target_name=str(target_dir),
+        drafter_dir=drafter_dir,
+        minutes=None,
+        checkpoint_minutes=1e9,
+        heldout_every=0,
+        command="test",
+        cache_root=tmp_path / "cache",
+        corpus=corpus,
+    )
+    first = campaign.run_sitting(recipe=_tiny_recipe(), max_steps=3, **kwargs)
+    assert first["steps"] == 3 and first["labels"] > 0
+    state = campaign.read_state(drafter_dir)
+    # 10 train records in shards of 4, 4 and 2, one pass each; 2 records a step
+    assert state.step == 3 and state.sequences_seen == 6
+    assert (state.cursor.shard, state.cursor.position) == (1, 2)
+    saved = _weights(drafter_dir)
+    assert all(v.dtype == np.float32 for v in saved.values())
+    raw = mx.load(str(drafter_dir / campaign.WEIGHTS_FILE))
+    assert {v.dtype for v in raw.values()} == {mx.bfloat16}
+    assert "d2t" in mx.load(str(drafter_dir / campaign.VOCAB_FILE))
+
+    model, loaded, draft_vocab = campaign.load_checkpoint(drafter_dir)
+    assert loaded.to_dict() == state.to_dict()
+    assert len(draft_vocab) == 128
+    for name, value in tree_flatten(model.parameters()):
+        np.testing.assert_array_equal(np.array(value), saved[name])
+    assert not list(drafter_dir.rglob("*.tmp")), "temporary files are renamed or removed"
+
+    second = campaign.run_sitting(recipe=None, max_steps=4, **kwargs)
+    state = campaign.read_state(drafter_dir)
+    assert second["resumed"] and second["step_start"] == 3 and state.step == 7
+    # shard 1 ends at step 4, shard 2 at step 5 (wrap), shard 0 at step 7
+    assert (state.cursor.shard, state.cursor.position, state.cursor.wraps) == (1, 0, 1)
+    sittings = json.loads((drafter_dir / campaign.SITTINGS_FILE).read_text())
+    assert [s["steps"] for s in sittings] == [3, 4]
+    assert state.recipe == _tiny_recipe()
+
+
+# ------------------------------------------------------------------ levers
+def _reference(logits: np.ndarray, batch, *, candidates: bool, distill: float) -> float:
+    """The loss written out row by row from full logits [N, B-1, V], in float64."""
+    n, rows, vocab = logits.shape
+    total = weight_sum = 0.0
+    for a in range(n):
+        for j in range(rows):
+            w = float(batch.weights[a, j])
+            if w == 0:  # a label outside the draft vocabulary: nothing to learn
+                continue
+            z = logits[a, j].astype(np.float64)
+            if candidates:
+                cols = [int(c) for c in batch.cand[a, j] if c >= 0]
+                scores = {c: z[c] for c in cols}
+                correction = np.log(vocab / len(batch.negatives))
+                for neg in batch.negatives:
+                    if int(neg) not in scores:
+                        scores[("neg", int(neg))] = z[neg] + correction
+                lse = np.log(np.sum(np.exp(list(scores.values()))))
+                logq = {c: scores[c] - lse for c in cols}
+            else:
+                lse = np.log(np.exp(z).sum())
+                logq = {c: z[c] - lse for c in range(vocab)}
+            label = int(batch.labels[a, j])
+            ce = -logq[label]
+            kl = 0.0
+            for c, p in zip(batch.cand[a, j], batch.teacher[a, j]):
+                if c >= 0 and p > 0:
+                    kl += p * (np.log(p) - logq[int(c)])
+            total += w * ((1 - distill) * ce + distill * kl)
+            weight_sum += w
+    return total / weight_sum
+
+
+@pytest.mark.parametrize("candidates", [False, True])
+@pytest.mark.parametrize("distill", [0.0, 0.5])
+def test_each_loss_is_finite_and_matches_a_plain_reference(tiny, tmp_path, candidates, distill):
+    target, _ = tiny
+    vocab = target.vocab_size
+    tokens = np.random.default_rng(3).integers(3, vocab, size=40).astype(np.int32)
+    store = FeatureStore.build(target, [tokens], tmp_path, "tiny", top_k=5)
+    top_ids, top_logp = store.top(0)
+    logits, _ = target(mx.array(tokens)[None])
+    want = np.argsort(-np.array(logits[0]), axis=-1)[:, :5]
+    np.testing.assert_array_equal(top_ids, want)  # the store's top-k is the target's
+    head = DraftHead(target, np.arange(0, vocab, 2, dtype=np.int32))  # half: some labels outside
+    anchors = sample_anchors(len(tokens), 8, np.random.default_rng(0), first=5)
+    blocks = make_blocks(tokens, anchors, 4, 2, gamma=2.0)
+    negatives = sample_negatives(head.size, 24, np.random.default_rng(1))
+    batch = lever_batch(blocks, top_ids, top_logp, head.index_of, negatives)
+    assert (batch.weights == 0).any() and (batch.weights > 0).any()
+    assert np.allclose(batch.teacher.sum(-1), 1.0, atol=1e-5)
+    hidden = mx.random.normal((len(anchors), 3, 64), key=mx.random.key(4))
+    loss, acc = lever_loss(hidden, head.weight, batch, candidates=candidates, distill=distill)
+    assert np.isfinite(loss.item()) and 0.0 <= acc.item() <= 1.0
+    full = np.array(hidden @ head.weight.T)
+    expected = _reference(full, batch, candidates=candidates, distill=distill)
+    assert loss.item() == pytest.approx(expected, rel=1e-4)
+
+
+def test_full_head_loss_without_distillation_is_the_trainers_cross_entropy(tiny, tmp_path):
+    from drafters.dflash.train import block_loss, restrict_labels
+
+    target, _ = tiny
+    vocab = target.vocab_size
+    tokens = np.random.default_rng(5).integers(3, vocab, size=30).astype(np.int32)
+    store = FeatureStore.build(target, [tokens], tmp_path, "tiny", top_k=3)
+    config = factories.drafter_config(vocab, block_size=4)
+    model = init_drafter(config, seed=0)
+    head = DraftHead(target, np.arange(0, vocab, 3, dtype=np.int32))
+    blocks = make_blocks(tokens, np.arange(5, 20), 4, 2, gamma=2.0)
+    batch = lever_batch(blocks, *store.top(0), head.index_of)
+    hidden = campaign.block_states(model, target, store.get(0), blocks)
+    ours, _ = lever_loss(hidden, head.weight, batch, candidates=False, distill=0.0)
+    theirs, _ = block_loss(model, target, store.get(0), restrict_labels(blocks, head), head)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+
+
+# ------------------------------------------------------------------ warm start
+def _heldout_ce(model, target, tokens, block_size, mask_token_id) -> float:
+    from drafters.dflash.train import block_loss, target_features
+
+    blocks = make_blocks(tokens, np.arange(0, len(tokens) - 1), block_size, mask_token_id, 4.0)
+    loss, _ = block_loss(model, target, target_features(target, tokens), blocks)
+    return loss.item()
+
+
+@pytest.mark.skipif(not bundled_paths()[0].is_dir(), reason="the bundled pair is not built")
+def test_warm_start_step0_predicts_better_than_random_init_on_the_bundled_target():
+    import inspect
+
+    from drafters.dflash.train import drafter_config_for_target
+    from engine.bundled.pretrain import build_bpe_tokenizer  # a held-out-ish text source
+
+    target_dir, _ = bundled_paths()
+    model, tokenizer = load_target_model(target_dir)
+    raw = json.loads((target_dir / "config.json").read_text())
+    config = drafter_config_for_target(
+        raw, num_layers=2, block_size=8, target_layer_ids=[1, 5], mask_token_id=3
+    )
+    target = TargetAdapter(model, [1, 5])
+    tokens = np.array(tokenizer.encode(inspect.getsource(build_bpe_tokenizer))[:160], np.int32)
+    random_loss = _heldout_ce(init_drafter(config, 0), target, tokens, 8, 3)
+    warm = init_drafter(config, 0)
+    assert warm_start(warm, target) == {}  # Qwen3 has its own q/k norms: copied, no scales
+    warm_loss = _heldout_ce(warm, target, tokens, 8, 3)
+    assert np.isfinite(warm_loss)
+    assert warm_loss < random_loss - 0.5, (warm_loss, random_loss)
+
+
+def test_warm_start_on_a_target_without_qk_norms_matches_their_scale(llama_target_dir):
+    from drafters.dflash.train import drafter_config_for_target
+
+    model, _ = load_target_model(llama_target_dir)
+    raw = json.loads((llama_target_dir / "config.json").read_text())
+    config = drafter_config_for_target(
+        raw, num_layers=2, block_size=4, target_layer_ids=[1, 3], mask_token_id=2
+    )
+    target = TargetAdapter(model, [1, 3])
+    drafter = init_drafter(config, 0)
+    tokens = np.random.default_rng(0).integers(3, target.vocab_size, size=64)
+    with pytest.raises(ValueError, match="sample tokens"):
+        warm_start(drafter, target)
+    scales = warm_start(drafter, target, tokens)
+    assert set(scales) == {f"layers.{i}.{n}_norm" for i in (0, 1) for n in ("q", "k")}
+    # layer 0 is the target's layer 4 (of 6), fed by the deepest tap (layer 3): its context
+    # keys before the norm are exactly that layer's own key projections
+    _, features = target(mx.array(tokens)[None])
+    context = drafter.project_context(features)
+    source = target.layers[4]
+    expected = source.self_attn.k_proj(source.input_layernorm(features[..., 64:]))
+    np.testing.assert_allclose(
+        np.array(drafter.layers[0].self_attn.k_proj(context)),
+        np.array(expected),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    attn = drafter.layers[0].self_attn
+    q = attn.q_norm(attn.split_heads(attn.q_proj(context), attn.n_heads))
+    rms = float(mx.sqrt((q * q).mean(-1)).mean().item())
+    assert rms == pytest.approx(scales["layers.0.q_norm"], rel=1e-3)
+
+
+# ------------------------------------------------------------------ eval keeps or restores
+def test_eval_keeps_a_better_checkpoint_and_restores_the_committed_one_otherwise(
+    tiny, tmp_path, monkeypatch
+):
+    import subprocess
+
+    target, target_dir = tiny
+    repo = tmp_path / "repo"
+    drafter_dir = repo / "engine" / "models" / "x_drafter"
+    corpus = (_records(6, target.vocab_size), _records(2, target.vocab_size, seed=1))
+    kwargs = dict(
+        target_name=str(target_dir),
+        drafter_dir=drafter_dir,
+        minutes=None,
+        checkpoint_minutes=1e9,
+        heldout_every=0,
+        command="test",
+        cache_root=tmp_path / "cache",
+        corpus=corpus,
+    )
+    campaign.run_sitting(recipe=_tiny_recipe(), max_steps=1, **kwargs)
+    taus = iter([2.0, 1.5, 2.5])
+    monkeypatch.setattr(campaign, "tau_eval", lambda *a: {"tau_mean": next(taus), "tau": {}})
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    # nothing committed: the first checkpoint always lands; then it is committed
+    first = campaign.run_eval(
+        "t", drafter_dir, 1, 8, "eval", repo_root=repo, rejected_root=tmp_path / "rejected"
+    )
+    assert first["kept"] and first["committed_tau_mean"] is None
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "checkpoint")
+    committed_weights = _weights(drafter_dir)
+
+    campaign.run_sitting(recipe=None, max_steps=2, **kwargs)  # a worse sitting (tau 1.5)
+    assert campaign.read_state(drafter_dir).step == 3
+    worse = campaign.run_eval(
+        "t", drafter_dir, 1, 8, "eval", repo_root=repo, rejected_root=tmp_path / "rejected"
+    )
+    assert not worse["kept"] and worse["committed_tau_mean"] == 2.0
+    assert campaign.read_state(drafter_dir).step == 1  # the committed state is back
+    for name, value in _weights(drafter_dir).items():
+        np.testing.assert_array_equal(value, committed_weights[name])
+    assert len(list((tmp_path / "rejected").iterdir())) == 1
+    stages = [s["stage"] for s in campaign.read_sittings(drafter_dir)]
+    assert stages == ["sitting", "eval", "sitting", "eval"]  # the log keeps the rejected one
+
+    campaign.run_sitting(recipe=None, max_steps=1, **kwargs)  # a better one (tau 2.5)
+    better = campaign.run_eval(
+        "t", drafter_dir, 1, 8, "eval", repo_root=repo, rejected_root=tmp_path / "rejected"
+    )
+    assert better["kept"] and campaign.read_state(drafter_dir).eval["tau_mean"] == 2.5
+
+
+def test_sigterm_finishes_the_step_saves_and_stops(tiny, tmp_path, monkeypatch):
+    import os
+    import signal
+
+    target, target_dir = tiny
+    corpus = (_records(8, target.vocab_size), _records(2, target.vocab_size, seed=1))
+    real_step = campaign.Trainer.step
+    calls = []
+
+    def step_then_term(self, *args):
+        out = real_step(self, *args)
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` from the lead's shell
+        return out
+
+    monkeypatch.setattr(campaign.Trainer, "step", step_then_term)
+    previous = signal.getsignal(signal.SIGTERM)
+    record = campaign.run_sitting(
+        target_name=str(target_dir),
+        drafter_dir=tmp_path / "d",
+        recipe=_tiny_recipe(),
+        minutes=None,
+        max_steps=None,
+        checkpoint_minutes=1e9,
+        heldout_every=0,
+        command="t",
+        cache_root=tmp_path / "cache",
+        corpus=corpus,
+    )
+    assert record["saved"].startswith("SIGTERM") and record["steps"] == 2
+    assert campaign.read_state(tmp_path / "d").step == 2
+    assert signal.getsignal(signal.SIGTERM) == previous  # the handler is put back
+
+
+def test_card_lists_every_sitting_and_eval(tiny, tmp_path, monkeypatch):
+    target, target_dir = tiny
+    corpus = (_records(6, target.vocab_size), _records(2, target.vocab_size, seed=1))
+    drafter_dir = tmp_path / "d"
+    kwargs = dict(
+        target_name=str(target_dir),
+        drafter_dir=drafter_dir,
+        minutes=None,
+        max_steps=1,
+        checkpoint_minutes=1e9,
+        heldout_every=0,
+        cache_root=tmp_path / "cache",
+        corpus=corpus,
+    )
+    campaign.run_sitting(recipe=_tiny_recipe(), command="first sitting", **kwargs)
+    campaign.run_sitting(recipe=None, command="second sitting", **kwargs)
+    monkeypatch.setattr(campaign, "tau_eval", lambda *a: {"tau_mean": 1.5, "tau": {"chat": 1.5}})
+    campaign.run_eval("t", drafter_dir, 1, 8, "eval", repo_root=tmp_path / "no-repo")
+    card = campaign.write_card(drafter_dir, "tiny").read_text()
+    assert "`first sitting`" in card and "`second sitting`" in card
+    assert "| 2 | 1.500 | chat 1.50 | kept |" in card
+    assert "candidate-set loss" in card and "warm start" not in card

@@ -23,8 +23,8 @@ from drafters.dflash.train import init_drafter, make_blocks, sample_anchors
 from drafters.dflash.vocab import DraftHead
 from drafters.dflash.warm_start import warm_start
 from engine.bundled.pair import bundled_paths
-from engine.loading import load_target_model
-from engine.target import TargetAdapter
+from engine.models.loading import load_target_model
+from engine.step.target import TargetAdapter
 
 
 # ------------------------------------------------------------------ cursor and shards

@@ -75,7 +75,7 @@ from drafters.dflash.train import (
     sample_anchors,
 )
 from drafters.dflash.vocab import D2T_KEY, DraftHead, choose_draft_vocab, read_draft_vocab, to_d2t
-from engine.target import TargetAdapter
+from engine.step.target import TargetAdapter
 
 log = logging.getLogger("campaign")
 
@@ -495,7 +495,7 @@ class Stop:
 
 def load_target(name: str, layer_ids: list[int] | None, layers: int) -> tuple[TargetAdapter, Path]:
     from drafters.dflash.config import default_target_layer_ids
-    from engine.loading import load_target_model
+    from engine.models.loading import load_target_model
     from engine.models.resolve import resolve_target
 
     target_dir = resolve_target(name)
@@ -729,9 +729,9 @@ def tau_eval(
     drafter's own block size, with the real speculative loop."""
     from drafters.dflash.datagen import encode
     from drafters.dflash.prompt_mix import build_prompts
-    from engine.loading import load_pair
-    from engine.sampling import SamplingParams
-    from engine.speculative import generate
+    from engine.models.loading import load_pair
+    from engine.step.sampling import SamplingParams
+    from engine.step.speculative import generate
 
     pair = load_pair(target_name, drafter_dir)
     depth = read_config(drafter_dir).block_size - 1

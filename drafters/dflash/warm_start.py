@@ -23,7 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from drafters.dflash.model import DFlashDraftModel
-from engine.target import TargetAdapter
+from engine.step.target import TargetAdapter
 
 log = logging.getLogger(__name__)
 

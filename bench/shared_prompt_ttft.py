@@ -82,10 +82,15 @@ async def mlx_lm_round(port: int, texts: list[str], max_tokens: int) -> list[flo
 
     async def one(client, text: str, started: float) -> float:
         body = {"prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
-        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data:") and "[DONE]" not in line:
-                    return time.perf_counter() - started
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        for _ in range(5):  # its http.server listens with a backlog of 5: resets past it
+            try:
+                async with client.stream("POST", url, json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data:") and "[DONE]" not in line:
+                            return time.perf_counter() - started  # retries included
+            except httpx.TransportError:
+                await asyncio.sleep(0.05)
         raise RuntimeError("mlx_lm.server streamed nothing")
 
     async with httpx.AsyncClient(timeout=600) as client:
@@ -99,7 +104,8 @@ def mlx_lm_server(model: str):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open("/tmp/mlx_lm_server.log", "w")  # noqa: SIM115
+    process = subprocess.Popen(command, stdout=log, stderr=log)
     try:
         import httpx
 

@@ -28,8 +28,10 @@ from scheduler.sources import (
 )
 
 # Hold a waiting request back for a prefix being prefilled only when the wait saves at least
-# this many prompt positions: below it, prefilling them beside the sharer costs less than the
-# steps of waiting.
+# this many prompt positions (below it, prefilling them beside the sharer costs little), and
+# publish a prompt in flight only when it prefilled at least this many positions itself
+# (entries are whole copies: one that adds a few tokens to an entry it came from would copy
+# the shared prefix again for little).
 HOLD_MIN_TOKENS = 64
 
 
@@ -371,8 +373,13 @@ class Scheduler:
         self._pinned = []
         # Prompts whose prefill completed since the last plan (still in the batch): the row
         # holds exactly the prompt's positions until this plan's step decodes, and the runner
-        # copies them before it does. A request that already finished saves more below.
-        published = [(r.request_id, r.prompt_ids) for r in self._to_publish if not r.finished]
+        # copies them before it does. A request that already finished saves more below; one
+        # that came mostly from an entry adds too little to it to be worth a copy of its own.
+        published = [
+            (r.request_id, r.prompt_ids)
+            for r in self._to_publish
+            if not r.finished and len(r.prompt_ids) - r.cached_tokens >= HOLD_MIN_TOKENS
+        ]
         self._to_publish = []
         for request_id, tokens in published + self._to_save:
             entry_id, drops = self.prefix.save(tokens)

@@ -63,6 +63,11 @@ def test_requests_sharing_a_prefix_being_prefilled_wait_for_it_then_hit():
     assert {a.request_id: a.prefix_tokens for a in plan.admissions} == {"b": 100, "c": 100}
     assert all(a.prefix_entry == plan.prefix_saves[0].entry_id for a in plan.admissions)
     assert scheduler.held == set() and scheduler.holds == 2  # each counted once
+    # Their own tokens go through in this step's chunks: no entry of their own in flight.
+    last = {c.request_id for c in plan.prefills if c.last}
+    assert last == {"b", "c"}
+    scheduler.apply(StepResult(first_tokens={"b": 1, "c": 1}))
+    assert not scheduler.plan().prefix_saves
 
 
 def test_without_in_flight_sharing_everyone_prefills_and_nothing_is_published():

@@ -156,6 +156,7 @@ class AsyncEngine:
         self.scheduler = Scheduler(
             limits, self._policy, self._runner.max_depth, self._runner.source_depths, prefix,
             prefill_rides=self._runner.packed is not None,
+            share_in_flight=self.config.prefix_share_in_flight,
         )  # fmt: skip
         if self.config.process_tuning and process_tuning.wanted():
             process_tuning.freeze_loaded()  # after everything the engine keeps is loaded
@@ -366,6 +367,7 @@ class AsyncEngine:
                     sum(len(a.prompt_ids) for a in plan.admissions),
                     sum(a.prefix_tokens for a in plan.admissions),
                 )
+            self.metrics.on_prefix_holds(scheduler.holds)
             self._step_in_flight = True
             done = loop.create_future()
             try:

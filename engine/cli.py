@@ -210,6 +210,7 @@ def _serve(args: argparse.Namespace) -> int:
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         draft_sources=args.draft_sources,
         prefix_cache_bytes=args.prefix_cache_bytes,
+        prefix_share_in_flight=args.prefix_share_in_flight == "on",
         drafting_guard=args.drafting_guard == "on",
     )
     try:
@@ -352,6 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefix cache budget in bytes (finished requests' KV, reused by later prompts "
         "that start the same way); 0 = off",
     )
+    srv.add_argument(
+        "--prefix-share-in-flight", choices=("on", "off"),
+        default=_env("PREFIX_SHARE_IN_FLIGHT", "on", str),
+        help="share a prompt's prefix as soon as its prefill completes, holding back requests "
+        "that start the same way until then (default: on; off: only finished and aborted "
+        "requests leave prefixes)",
+    )  # fmt: skip
     srv.add_argument(
         "--max-body-bytes", type=int, default=_env("MAX_BODY_BYTES", 1 << 20, int),
         help="request body size limit in bytes, as sent and decompressed; over it: 413",

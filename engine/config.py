@@ -23,6 +23,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Automatic prefix caching: finished requests' KV (and drafter features) kept in an LRU
     # of this many bytes, reused by prompts that start the same way; 0 = off.
     prefix_cache_bytes: int = 512 << 20
+    # In-flight sharing: a prompt becomes an entry as soon as its prefill completes, and a
+    # waiting request sharing a long prefix with one still prefilling is held back until then
+    # (`scheduler.scheduler.Scheduler._held`). False: only finished and aborted requests leave
+    # entries, and nobody is held.
+    prefix_share_in_flight: bool = True
     # None: the adaptive depth controller; a number: that fixed depth for everyone (0 = off)
     num_speculative_tokens: int | None = None
     # Adaptive only: per batch size, hold drafting off where whole steps, event loop included,

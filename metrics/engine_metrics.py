@@ -88,6 +88,11 @@ class EngineMetrics:
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)."
         )
+        self._holds_counted = 0
+        self.prefix_cache_holds = counter(
+            "prefix_cache_holds",
+            "Requests held back to reuse a prefix another request was prefilling.",
+        )
         # `source`: the drafter that proposed ("dflash", "lookup"); sum over it for totals.
         self._spec_num_drafts = counter(
             "spec_decode_num_drafts", "Verify steps with drafts, by draft source.", ["source"]
@@ -158,6 +163,12 @@ class EngineMetrics:
         """Admissions' prefix cache lookups, in tokens (vLLM's meaning)."""
         self.prefix_cache_queries.inc(queried_tokens)
         self.prefix_cache_hits.inc(hit_tokens)
+
+    def on_prefix_holds(self, total: int) -> None:
+        """The scheduler's running count of held-back requests (the counter follows it)."""
+        if total > self._holds_counted:
+            self.prefix_cache_holds.inc(total - self._holds_counted)
+            self._holds_counted = total
 
     def on_queue(self, waiting: int, running: int) -> None:
         self.num_requests_waiting.set(waiting)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from engine.errors import EngineOverloaded, InvalidRequest
 from engine.step.logprobs import TokenLogprob
-from engine.step.prefix_cache import PrefixIndex, PrefixSave
+from engine.step.prefix_cache import PrefixIndex, PrefixSave, common_prefix
 from scheduler.depth import DepthPolicy
 from scheduler.plan import Admission, PrefillChunk, StepPlan, StepResult
 from scheduler.request import Request, RequestStatus
@@ -26,6 +26,13 @@ from scheduler.sources import (
     fallback_source,
     row_options,
 )
+
+# Hold a waiting request back for a prefix being prefilled only when the wait saves at least
+# this many prompt positions (below it, prefilling them beside the sharer costs little), and
+# publish a prompt in flight only when it prefilled at least this many positions itself
+# (entries are whole copies: one that adds a few tokens to an entry it came from would copy
+# the shared prefix again for little).
+HOLD_MIN_TOKENS = 64
 
 
 @dataclass
@@ -49,6 +56,7 @@ class Scheduler:
         source_depths: dict[str, int] | None = None,
         prefix: PrefixIndex | None = None,
         prefill_rides: bool = False,
+        share_in_flight: bool = True,
     ) -> None:
         self.limits = limits
         # The runner carries prefill chunks inside a decoding step's forward (the packed
@@ -63,7 +71,14 @@ class Scheduler:
         self.source_depths = dict(source_depths)
         self.sources: Sequence[str] = tuple(self.source_depths)
         self.prefix = prefix  # None: no prefix caching
-        self._to_save: list[Request] = []  # finished normally since the last plan
+        # In-flight sharing (see `_plan_prefix_saves` and `_held`): a prompt is published as
+        # an entry as soon as its prefill completes, and a waiting request that shares a long
+        # prefix with one still prefilling waits for that entry.
+        self.share_in_flight = share_in_flight and prefix is not None
+        self._to_save: list[tuple[str, list[int]]] = []  # (request id, cached tokens to keep)
+        self._to_publish: list[Request] = []  # prompts prefilled since the last plan
+        self.held: set[str] = set()  # waiting requests the last plan held back
+        self.holds = 0  # requests ever held back (each counted once; for the metrics)
         self._pinned: list[int] = []  # entries the last plan's admissions copy from
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
@@ -129,9 +144,26 @@ class Scheduler:
             self._waiting_prompt_tokens -= len(request.prompt_ids)
             del self.requests[request_id]
         else:
+            self._keep_aborted(request)
             self._retire(request)
         request.finish("abort")
         return request
+
+    def _keep_aborted(self, request: Request) -> None:
+        """An aborted request leaves its computed prefix behind: mid-prefill, the prompt
+        positions planned so far (the runner has run them by the time the save executes); in
+        the decode batch (not for a hybrid target, whose row a step in flight may advance
+        past the state the entry would need), what a finished request leaves."""
+        if self.prefix is None:
+            return
+        if request.status is RequestStatus.PREFILLING:
+            tokens = request.prompt_ids[: request.prefilled]
+        elif self.prefix.whole_only:
+            return  # its prompt was published when its prefill completed
+        else:
+            tokens = (request.prompt_ids + request.stop.token_ids)[:-1]
+        if len(tokens) > request.cached_tokens:  # more than the entry it came from
+            self._to_save.append((request.request_id, tokens))
 
     @property
     def has_work(self) -> bool:
@@ -279,12 +311,17 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan) -> None:
         reserved = sum(r.reserved_tokens for r in self.prefilling + self.running)
-        while self.waiting and len(self.prefilling) + len(self.running) < self.limits.max_num_seqs:
-            request = self.waiting[0]
+        held: set[str] = set()
+        for request in list(self.waiting):
             rows = len(self.prefilling) + len(self.running)
+            if rows >= self.limits.max_num_seqs:
+                break
+            if self.share_in_flight and self._held(request):
+                held.add(request.request_id)
+                continue  # later requests that share nothing go ahead
             if not self._fits(request, reserved, rows):
                 break  # wait for memory to free up
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self._waiting_prompt_tokens -= len(request.prompt_ids)
             reserved += request.reserved_tokens
             request.status = RequestStatus.PREFILLING
@@ -301,6 +338,31 @@ class Scheduler:
                     admission.prefix_entry, admission.prefix_tokens = entry_id, length
                     request.prefilled = request.cached_tokens = length
             plan.admissions.append(admission)
+        self.holds += len(held - self.held)
+        self.held = held
+
+    def _held(self, request: Request) -> bool:
+        """Hold `request` back while a prefilling request computes a prefix it shares of at
+        least HOLD_MIN_TOKENS beyond what the cache already gives it: that prefill publishes
+        the prompt as an entry when it completes (`_plan_prefix_saves`), and `request` is then
+        admitted with a hit instead of prefilling the same positions beside it.
+
+        Bounded: a prefilling request is admitted, holds its KV reservation and gets prefill
+        budget every step in admission order, so its prefill completes within its remaining
+        chunks; nothing it waits for is itself held (no deadlock). Aborted mid-prefill, it
+        leaves the positions computed so far (`_keep_aborted`) and stops holding anyone, so
+        the held request is admitted in the same plan with whatever that entry gives it."""
+        if request.params.prompt_logprobs is not None or not self.prefilling:
+            return False
+        prompt, limit = request.prompt_ids, len(request.prompt_ids) - 1
+        cached = self.prefix.peek(prompt)
+        for sharer in self.prefilling:
+            shared = common_prefix(sharer.prompt_ids, prompt, limit)
+            if self.prefix.whole_only and shared != len(sharer.prompt_ids):
+                continue  # its entry, at its prompt's end, would not be a whole prefix
+            if shared >= cached + HOLD_MIN_TOKENS:
+                return True
+        return False
 
     def _plan_prefix_saves(self, plan: StepPlan) -> None:
         """Unpin the entries the previous step copied from (it has run by now), then index
@@ -309,15 +371,21 @@ class Scheduler:
         for entry_id in self._pinned:
             self.prefix.unpin(entry_id)
         self._pinned = []
-        for request in self._to_save:
-            # The runner's row holds committed - 1 positions, and may hold more: tokens past
-            # a stop were committed there but are not output. This prefix is valid either way.
-            output = request.committed if self.prefix.whole_only else request.stop.token_ids
-            tokens = (request.prompt_ids + output)[:-1]
+        # Prompts whose prefill completed since the last plan (still in the batch): the row
+        # holds exactly the prompt's positions until this plan's step decodes, and the runner
+        # copies them before it does. A request that already finished saves more below; one
+        # that came mostly from an entry adds too little to it to be worth a copy of its own.
+        published = [
+            (r.request_id, r.prompt_ids)
+            for r in self._to_publish
+            if not r.finished and len(r.prompt_ids) - r.cached_tokens >= HOLD_MIN_TOKENS
+        ]
+        self._to_publish = []
+        for request_id, tokens in published + self._to_save:
             entry_id, drops = self.prefix.save(tokens)
             plan.prefix_drops += drops
             if entry_id is not None:
-                plan.prefix_saves.append(PrefixSave(request.request_id, entry_id, len(tokens)))
+                plan.prefix_saves.append(PrefixSave(request_id, entry_id, len(tokens)))
         self._to_save = []
 
     # ----------------------------------------------------------------- results
@@ -345,6 +413,8 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.first_token_time = request.last_token_time = now
+            if self.share_in_flight:
+                self._to_publish.append(request)
             first = result.first_logprobs.get(request_id)
             self._add_tokens(request, [token], changed, None if first is None else [first])
         for request_id, outcome in result.outcomes.items():
@@ -373,7 +443,11 @@ class Scheduler:
         if request.stop.finished:
             self._retire(request)
             if self.prefix is not None:
-                self._to_save.append(request)
+                # The runner's row holds committed - 1 positions, and may hold more: tokens
+                # past a stop were committed there but are not output. This prefix is valid
+                # either way (a hybrid's state exists only at the row's very end).
+                output = request.committed if self.prefix.whole_only else request.stop.token_ids
+                self._to_save.append((request.request_id, (request.prompt_ids + output)[:-1]))
             request.finish(request.stop.finish_reason)
         changed.append(request)
 

@@ -428,3 +428,45 @@ async def test_lookaheads_used_and_discarded_and_whole_prompts_prefilled_togethe
     for (rid, prompt, n, _, _), (tokens, _) in zip(together + staggered, results):
         assert tokens == references(name, prompt, n), (name, rid)
     assert counts["_discard"] > 3 and counts["_prefill_together"] > 0, counts
+
+
+@pytest.mark.parametrize("drafter", [False, True])
+async def test_prefix_shared_in_flight_and_left_by_an_abort_equals_cold_start(
+    drafter, family_dirs, hybrid_drafter_dir, references, vocab_size
+):
+    """In-flight sharing under the whole-prefix rule: a request whose prompt extends one being
+    prefilled waits for it and reuses all of it; one sharing only part of it is not held and
+    prefills cold; a request aborted mid-prefill leaves the state at the positions it had
+    computed, which the request it held reuses whole. All equal plain greedy decoding."""
+    name = "qwen3_5-i2"
+    unit_a, unit_b = _prompts(vocab_size, 2)
+    base, other = (unit_a * 9)[:80], (unit_b * 9)[:80]
+    extends, partial, after_abort = base + [7, 8, 9], base[:-2] + [11, 12], other + [5, 6]
+    config = EngineConfig(target=str(family_dirs[name]), max_num_seqs=8,
+                          drafter=str(hybrid_drafter_dir) if drafter else None,
+                          num_speculative_tokens=4, prefill_chunk_tokens=16,
+                          prefix_cache_bytes=8 << 20)  # fmt: skip
+    async with AsyncEngine(config) as engine:
+        failures = check_invariants(engine)
+        aborted_at = []
+
+        def abort_mid_prefill(result) -> None:
+            request = engine.scheduler.requests.get("d")
+            if request is not None and not aborted_at and request.prefilled >= 32:
+                aborted_at.append(request.prefilled)
+                engine.abort("d")
+
+        engine.step_hooks.append(abort_mid_prefill)
+        requests = [("a", base, 6, 4, 0), ("b", extends, 6, 4, 0), ("c", partial, 6, 4, 0),
+                    ("d", other, 30, 4, 0), ("e", after_abort, 6, 4, 0)]  # fmt: skip
+        results = dict(zip("abcde", await run_all(engine, requests)))
+        await wait_idle(engine)
+        assert engine.kv_bytes() == 0
+        assert engine.scheduler.holds == 2  # b (for a) and e (for d)
+    assert not failures, failures[:5]
+    assert results["b"][1].cached_tokens == len(base)
+    assert results["c"][1].cached_tokens == 0
+    assert results["d"][1].finish_reason == "abort"
+    assert aborted_at and results["e"][1].cached_tokens == aborted_at[0] < len(other)
+    for rid, prompt in (("a", base), ("b", extends), ("c", partial), ("e", after_abort)):
+        assert results[rid][0] == references(name, prompt, 6), rid

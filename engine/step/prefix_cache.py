@@ -1,4 +1,4 @@
-"""Automatic prefix caching: finished requests leave their KV for the prompts that follow.
+"""Automatic prefix caching: requests leave their KV for the prompts that follow.
 
 Chat clients and agents resend the whole conversation every turn; with this cache only the new
 part is prefilled. Two halves, split like the scheduler and the runner:
@@ -11,8 +11,12 @@ part is prefilled. Two halves, split like the scheduler and the runner:
   positions. A hit hands the features to the new DFlash session exactly as a cold prefill
   would (same rows, same commit), so its drafts equal a cold start's.
 
-An entry of a finished request covers its prompt and output except the newest token (the
-target cache holds committed - 1 positions). A hit reuses at most len(prompt) - 1 positions:
+Entries come from three places (the scheduler plans each): a prompt whose prefill just
+completed is published while its request decodes on (in-flight sharing: requests that arrive
+meanwhile, or were held back for it, reuse it); a finished request; an aborted request (the
+positions it had computed, mid-prefill or in the batch). An entry of a finished request
+covers its prompt and output except the newest token (the target cache holds committed - 1
+positions). A hit reuses at most len(prompt) - 1 positions:
 the last prompt token must go through the target to give the first token's logits. Entries are
 immutable: a hit copies the prefix into the request's own cache before anything is written,
 and an entry pinned by an admission in flight is never evicted.
@@ -60,7 +64,8 @@ class _Indexed:
 
 @dataclass
 class PrefixSave:
-    """Plan item: keep `length` cached positions of a finished request as entry `entry_id`."""
+    """Plan item: keep the first `length` cached positions of a request (finished, aborted,
+    or whose prompt prefill just completed) as entry `entry_id`."""
 
     request_id: str
     entry_id: int
@@ -93,6 +98,17 @@ class PrefixIndex:
     def match(self, prompt: list[int]) -> tuple[int | None, int]:
         """The entry sharing the longest prefix with `prompt` and that length, capped at
         len(prompt) - 1 (one prompt token must still be prefilled); (None, 0) on a miss."""
+        best, best_length = self._best(prompt)
+        if best is None:
+            return None, 0
+        self._entries.move_to_end(best.entry_id)
+        return best.entry_id, best_length
+
+    def peek(self, prompt: list[int]) -> int:
+        """The length `match` would give, leaving the LRU order as it is."""
+        return self._best(prompt)[1]
+
+    def _best(self, prompt: list[int]) -> tuple[_Indexed | None, int]:
         best, best_length = None, 0
         limit = len(prompt) - 1
         for entry in self._entries.values():
@@ -103,10 +119,7 @@ class PrefixIndex:
                 continue  # a state exists only at the entry's end
             if length > best_length:
                 best, best_length = entry, length
-        if best is None:
-            return None, 0
-        self._entries.move_to_end(best.entry_id)
-        return best.entry_id, best_length
+        return best, best_length
 
     def pin(self, entry_id: int) -> None:
         self._entries[entry_id].pins += 1
@@ -118,7 +131,8 @@ class PrefixIndex:
 
     # ----------------------------------------------------------------- saving
     def save(self, tokens: list[int]) -> tuple[int | None, list[int]]:
-        """Index a finished request's cached `tokens`; returns the new entry's id (None when
+        """Index a request's cached `tokens` (finished, aborted, or a prompt just prefilled);
+        returns the new entry's id (None when
         it is not worth keeping or cannot fit) and the ids of the entries it evicts."""
         size = self._size(len(tokens))
         if not tokens or size > self.budget_bytes:

@@ -877,10 +877,15 @@ class ModelRunner:
             self._to_eval.append(features)
 
     def _save_prefix(self, save: PrefixSave, ahead: _Lookahead | None) -> None:
-        """Copy a finished row's first `save.length` cache positions into a new entry."""
+        """Copy a row's first `save.length` cache positions into a new entry: a row in the
+        batch (finished, aborted, or whose prompt was just prefilled), or a request aborted
+        mid-prefill (its own prefill cache and features so far)."""
         state = self.states[save.request_id]
-        row = self.rows.index(save.request_id)
         n = save.length
+        if state.prefill_cache is not None:
+            self._save_prefilling(save, state)
+            return
+        row = self.rows.index(save.request_id)
         committed = self._kv[0].lengths[row] - (1 if ahead is not None else 0)  # a lookahead's
         if n > committed:  # position is not committed
             raise RuntimeError(f"prefix save of {n} positions from a row of {committed}")
@@ -906,8 +911,31 @@ class ModelRunner:
             self._gather_feature_log()
         if state.feature_log:
             features = mx.concatenate(state.feature_log, axis=0)[:n]
-        entry = PrefixEntry(keys, values, features, n, states)
-        self.prefix_entries[save.entry_id] = entry
+        self._keep_entry(save.entry_id, PrefixEntry(keys, values, features, n, states))
+
+    def _save_prefilling(self, save: PrefixSave, state: _RowState) -> None:
+        """An aborted request's prompt positions computed so far, from its own prefill cache
+        (one row) and the features its chunks produced."""
+        n = save.length
+        kv = [c for c in state.prefill_cache if isinstance(c, RaggedKVCache)]
+        held = kv[0].lengths[0] if kv else n
+        if n > held:
+            raise RuntimeError(f"prefix save of {n} positions from a prefill of {held}")
+        keys = [mx.contiguous(c.keys[:1, :, :n, :]) for c in kv]
+        values = [mx.contiguous(c.values[:1, :, :n, :]) for c in kv]
+        states = None
+        recurrent = [c for c in state.prefill_cache if isinstance(c, RaggedStateCache)]
+        if recurrent:
+            if n != held:
+                raise RuntimeError(f"a recurrent state of {held} positions saved as {n}")
+            states = [c.row_state(0) for c in recurrent]
+        features = None
+        if self.drafter is not None and state.prefill_features:
+            features = mx.concatenate(state.prefill_features, axis=0)[:n]
+        self._keep_entry(save.entry_id, PrefixEntry(keys, values, features, n, states))
+
+    def _keep_entry(self, entry_id: int, entry: PrefixEntry) -> None:
+        self.prefix_entries[entry_id] = entry
         self._to_eval += entry.arrays()
 
     @property

@@ -129,14 +129,18 @@ def test_unknown_name_lists_the_known_ones():
 def test_serve_and_generate_default_to_smollm2_and_bundled_brings_its_drafter():
     from engine.bundled.pair import BUNDLED_DRAFTER
     from engine.cli import _pair_paths, build_parser
-    from engine.models.registry import DEFAULT_MODEL
+    from engine.models.registry import DEFAULT_MODEL, ENGINE_DIR
 
     parser = build_parser()
     assert parser.parse_args(["serve"]).target == DEFAULT_MODEL
     assert parser.parse_args(["generate", "--prompt", "x"]).target == DEFAULT_MODEL
     assert _pair_paths("bundled", None) == ("bundled", str(BUNDLED_DRAFTER))
     assert _pair_paths("bundled", "none") == ("bundled", None)
-    assert _pair_paths(DEFAULT_MODEL, None) == (DEFAULT_MODEL, None)  # no drafter trained yet
+    # The drafter trained for SmolLM2 ships in the package and serves with no flag.
+    shipped = ENGINE_DIR / "models" / "smollm2_drafter"
+    assert (shipped / "config.json").exists() and (shipped / "model.safetensors").exists()
+    assert _pair_paths(DEFAULT_MODEL, None) == (DEFAULT_MODEL, str(shipped))
+    assert _pair_paths(DEFAULT_MODEL, "none") == (DEFAULT_MODEL, None)
 
 
 def test_a_local_folder_wins_over_a_registry_name(tmp_path, monkeypatch):

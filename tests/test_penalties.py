@@ -9,13 +9,12 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from factories import ScriptedDrafter
 from mlx_lm.generate import generate_step
+from test_engine import ScriptedEngine
 
-from engine import AsyncEngine, EngineConfig, InvalidRequest, SamplingParams, TargetAdapter
+from engine import AsyncEngine, EngineConfig, InvalidRequest, SamplingParams
 from engine.models.loading import load_target_model
 from engine.step.penalties import TokenHistory
-from engine.step.runner import ModelRunner
 from engine.step.sampling import sample
 
 
@@ -151,17 +150,6 @@ async def test_greedy_penalised_output_with_lookup_drafts_equals_drafting_off(qw
     assert on[-1][0] != on[0][0]  # and the penalties did change something
 
 
-class _ScriptedEngine(AsyncEngine):
-    def __init__(self, config, references, vocab_size, script):
-        super().__init__(config)
-        self._scripted = (references, vocab_size, script)
-
-    def _load(self):
-        model, tokenizer = load_target_model(self.config.target)
-        drafter = ScriptedDrafter(*self._scripted, strict=False)
-        return ModelRunner(TargetAdapter(model, [1]), drafter), tokenizer
-
-
 async def test_accepted_drafts_under_penalties_stay_exact(qwen3_target_dir, vocab_size):
     """A drafter that knows the penalised continuation (spoiled after 0..7 tokens): drafts are
     accepted in the same steps as penalised positions counting them, and output is exact."""
@@ -170,7 +158,7 @@ async def test_accepted_drafts_under_penalties_stay_exact(qwen3_target_dir, voca
     references = [p + penalised_reference(model, p, n, SamplingParams(**PENALTIES))
                   for p in PROMPTS]  # fmt: skip
     config = EngineConfig(target=str(qwen3_target_dir), num_speculative_tokens=7, max_num_seqs=8)
-    async with _ScriptedEngine(config, references, vocab_size, [7, 2, 0, 5, 1]) as engine:
+    async with ScriptedEngine(config, references, vocab_size, [7, 2, 0, 5, 1]) as engine:
         results = await asyncio.gather(
             *[_generate(engine, p, max_tokens=n, **PENALTIES) for p in PROMPTS]
         )

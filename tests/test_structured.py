@@ -12,12 +12,10 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from factories import ScriptedDrafter
+from test_engine import ScriptedEngine
 from test_server import ServerProcess
 
-from engine import AsyncEngine, EngineConfig, InvalidRequest, SamplingParams, TargetAdapter
-from engine.models.loading import load_target_model
-from engine.step.runner import ModelRunner
+from engine import AsyncEngine, EngineConfig, InvalidRequest, SamplingParams
 from engine.step.structured import StructuredOutput
 
 SCHEMA = {
@@ -73,17 +71,6 @@ async def test_greedy_constrained_output_with_lookup_drafts_equals_drafting_off(
                 assert re.fullmatch(REGEX.spec, text), text
 
 
-class _ScriptedEngine(AsyncEngine):
-    def __init__(self, config, references, vocab_size, script):
-        super().__init__(config)
-        self._scripted = (references, vocab_size, script)
-
-    def _load(self):
-        model, tokenizer = load_target_model(self.config.target)
-        drafter = ScriptedDrafter(*self._scripted, strict=False)
-        return ModelRunner(TargetAdapter(model, [1]), drafter), tokenizer
-
-
 async def test_drafts_are_cut_at_the_grammar_and_accepted_ones_stay_exact(
     qwen3_target_dir, vocab_size
 ):
@@ -96,7 +83,7 @@ async def test_drafts_are_cut_at_the_grammar_and_accepted_ones_stay_exact(
         )
     references = [p + t for p, (t, _) in zip(PROMPTS, plain)]
     config = _config(qwen3_target_dir, num_speculative_tokens=7)
-    async with _ScriptedEngine(config, references, vocab_size, [7, 2, 0, 5, 1]) as engine:
+    async with ScriptedEngine(config, references, vocab_size, [7, 2, 0, 5, 1]) as engine:
         drafted = await asyncio.gather(
             *[_generate(engine, p, max_tokens=60, structured=JSON) for p in PROMPTS]
         )

@@ -12,7 +12,8 @@ import `engine` (or `drafters`) before `mlx`. The names below load lazily:
   request, speculatively decoded (the single-request reference loop).
 - `TargetAdapter` — any mlx-lm model whose forward also returns tapped layer features.
 - `RaggedKVCache` — the batched KV cache with per-row lengths.
-- Errors: `FlashbatchError`, `InvalidRequest`, `EngineOverloaded`, `EngineClosed`.
+- Errors: `FlashbatchError`, `InvalidRequest`, `EngineOverloaded`, `EngineClosed`,
+  `EngineFailed`.
 - `blas_status()` / `report_blas()` — which BLAS CPU matmuls use.
 """
 
@@ -41,6 +42,7 @@ _EXPORTS = {
     "InvalidRequest": "engine.errors",
     "EngineOverloaded": "engine.errors",
     "EngineClosed": "engine.errors",
+    "EngineFailed": "engine.errors",
     "blas_status": "engine.backend.platform",
     "report_blas": "engine.backend.platform",
 }

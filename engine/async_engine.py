@@ -26,7 +26,7 @@ import msgspec
 from drafters.lookup import LookupDrafter
 from engine.backend import process_tuning
 from engine.config import EngineConfig
-from engine.errors import EngineClosed, InvalidRequest
+from engine.errors import EngineClosed, EngineFailed, InvalidRequest
 from engine.models.resolve import display_name
 from engine.step.logprobs import TokenLogprob
 from engine.step.prefix_cache import PrefixIndex
@@ -106,6 +106,10 @@ class AsyncEngine:
         self.last_result: StepResult | None = None
         # Called on the loop thread after every step (tests check invariants, metrics record).
         self.step_hooks: list[Callable[[StepResult], None]] = []
+        # Distributed mode: what stopped the engine for good (a rank lost), and who to tell
+        # (the server exits non-zero).
+        self.failure: BaseException | None = None
+        self.failure_hooks: list[Callable[[BaseException], None]] = []
 
     # ----------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> AsyncEngine:
@@ -122,6 +126,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         self._runner, self.tokenizer = await loop.run_in_executor(self._executor, self._load)
         self._runner.grammars = await loop.run_in_executor(self._executor, self._grammars)
+        self.metrics.distributed_ranks.set(getattr(self._runner, "ranks", 1))
+        if hasattr(self._runner, "watch_broadcasts"):  # distributed mode
+            self._runner.watch_broadcasts(self.metrics.distributed_call_time.observe)
         target_args = getattr(self._runner.target.model, "args", None)
         max_len = self.config.max_model_len or getattr(target_args, "max_position_embeddings", None)
         limits = SchedulerLimits(
@@ -176,6 +183,12 @@ class AsyncEngine:
         report_blas(log)
         sources = self.config.served_sources()
         drafter = self.config.drafter if DFLASH in sources else None  # lookup only: no taps
+        if self.config.parallel:  # rank 0 of a sharded target (`engine.distributed`)
+            from engine.distributed.rank import load_leader
+
+            runner, tokenizer = load_leader(self.config, drafter, sources)
+            log.info("draft sources: %s", ", ".join(sources) or "none")
+            return runner, tokenizer
         pair = load_pair(self.config.target, drafter)
         tune_for_backend(pair, self.config.cpu_kernels, self.config.row_padding)
         runner = ModelRunner(pair.target, pair.drafter, profile_phases=self.config.profile_phases,
@@ -226,6 +239,14 @@ class AsyncEngine:
         if self._loop_task is not None:
             await self._loop_task
             self._loop_task = None
+        stop_followers = getattr(self._runner, "stop_followers", None)
+        if stop_followers is not None and self._executor is not None and self.failure is None:
+            await asyncio.get_running_loop().run_in_executor(self._executor, stop_followers)
+        if self._executor is not None and self.failure is not None:
+            # A failed distributed step may have left the MLX thread inside a collective
+            # that no rank will finish: never wait for it (the process exits non-zero).
+            self._executor.shutdown(wait=False)
+            self._executor = None
         if self._executor is not None:
             # MLX keeps per-thread state (streams, the mx.compile cache holding Python
             # objects) that its own thread-exit cleanup frees too late: racing interpreter
@@ -266,6 +287,8 @@ class AsyncEngine:
         Raises at once: InvalidRequest (bad parameters, prompt too long), EngineOverloaded
         (queue full), EngineClosed (shutting down). `generate` wraps this.
         """
+        if self.failure is not None:
+            raise EngineFailed(f"the engine stopped: {self.failure}")
         if not self._accepting or self.scheduler is None:
             raise EngineClosed("the engine is not accepting requests (starting or shutting down)")
         params = params or SamplingParams()
@@ -372,8 +395,14 @@ class AsyncEngine:
             done = loop.create_future()
             try:
                 self._executor.submit(self._execute_then_advance, plan, done, loop)
-                result = await done
-            except Exception:
+                if self.config.parallel:  # a rank that stops answering must not hang us
+                    result = await asyncio.wait_for(done, self.config.rank_timeout_s)
+                else:
+                    result = await done
+            except Exception as exc:
+                if self.config.parallel:  # ranks may now disagree: nothing can go on
+                    self._fail_for_good(exc)
+                    return
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all()
                 last_arrival = None
@@ -430,6 +459,18 @@ class AsyncEngine:
             self._runner.advance()
         except Exception:  # the next step's sync fails the same way and is handled there
             log.exception("lookahead forward failed")
+
+    def _fail_for_good(self, exc: BaseException) -> None:
+        """Distributed mode: a step failed or timed out (a rank lost). Every request fails
+        (HTTP 503), nothing new is accepted, and the failure hooks run (the server exits)."""
+        if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+            exc = EngineFailed(f"a rank did not answer within {self.config.rank_timeout_s:.0f} s")
+        log.error("distributed step failed; the engine stops: %s", exc)
+        self.failure = exc
+        self._accepting = False
+        self._fail_all()
+        for hook in self.failure_hooks:
+            hook(exc)
 
     def _fail_all(self) -> None:
         for request_id in list(self.scheduler.requests):

@@ -212,7 +212,20 @@ def _serve(args: argparse.Namespace) -> int:
         prefix_cache_bytes=args.prefix_cache_bytes,
         prefix_share_in_flight=args.prefix_share_in_flight == "on",
         drafting_guard=args.drafting_guard == "on",
+        parallel=args.parallel,
+        rank_timeout_s=args.rank_timeout,
     )
+    if args.parallel:  # every rank runs this command (mlx.launch); rank 0 alone serves HTTP
+        from engine.distributed.group import DistributedError, Group
+        from engine.distributed.rank import serve_follower
+
+        try:
+            group = Group.init()
+        except DistributedError as exc:
+            print(f"flashbatch serve: {exc}", file=sys.stderr)
+            return 2
+        if not group.leader:
+            return serve_follower(group, stop_grace=args.drain_timeout + 15.0)
     try:
         api_key = _api_key(args.api_key, args.api_key_file)
     except (OSError, ValueError) as exc:
@@ -392,6 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("MAX_CONNECTIONS", 512, int),
         help="open HTTP connections at most; one more is closed when accepted",
     )
+    srv.add_argument(
+        "--parallel", choices=("tensor", "pipeline"), default=_env("PARALLEL"),
+        help="shard the target over the ranks `mlx.launch` started (rank 0 serves HTTP): "
+        "tensor (heads split; mlx-lm's shard()) or pipeline (layers split)",
+    )  # fmt: skip
+    srv.add_argument(
+        "--rank-timeout", type=float, default=_env("RANK_TIMEOUT", 30.0, float),
+        help="with --parallel: seconds a step may take before a rank counts as lost (then "
+        "every request gets a 503 and the server exits non-zero)",
+    )  # fmt: skip
     srv.add_argument(
         "--log-level", default=_env("LOG_LEVEL", "info"),
         help="debug, info (with the access log), warning, error",

@@ -58,6 +58,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # and at most this many per matched suffix token (a 2-token match drafts 2, a 6-token one
     # 12): long matches copy on, short ones are often coincidences; 0: no cap
     lookup_depth_per_match: int = 2
+    # Distributed mode (`engine.distributed`, ranks started by mlx.launch): None = one process;
+    # "tensor" (heads split, mlx-lm's shard()) or "pipeline" (layers split).
+    parallel: str | None = None
+    # Distributed mode: a step that has not finished after this many seconds means a rank
+    # stopped answering; the engine then fails every request and the server exits non-zero.
+    rank_timeout_s: float = 30.0
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -74,6 +80,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("lookup_max_depth must be >= 1")
         if self.lookup_depth_per_match < 0:
             raise ValueError("lookup_depth_per_match must be >= 0 (0: no cap)")
+        if self.parallel not in (None, "tensor", "pipeline"):
+            raise ValueError(f"parallel {self.parallel!r}: one of tensor, pipeline (or unset)")
+        if self.rank_timeout_s <= 0:
+            raise ValueError("rank_timeout_s must be > 0")
         self.served_sources()  # unknown names, or dflash without a drafter, fail here
 
     def served_sources(self) -> tuple[str, ...]:

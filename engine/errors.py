@@ -28,3 +28,8 @@ class EngineOverloaded(FlashbatchError):
 
 class EngineClosed(FlashbatchError):
     """The engine is shutting down or closed and accepts no new requests."""
+
+
+class EngineFailed(EngineClosed):
+    """The engine stopped for good while the request was in flight (in distributed mode: a
+    rank died or could not be reached). Its partial answer is not an answer: HTTP 503."""

@@ -20,6 +20,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+# A distributed call's broadcast: a few hundred microseconds on loopback.
+CALL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                 0.5, 0.75, 1.0, 2.0, 5.0)  # fmt: skip
 DEPTH_BUCKETS = tuple(range(0, 17))
@@ -130,6 +132,16 @@ class EngineMetrics:
         self.mlx_active_memory = gauge("mlx_active_memory_bytes", "MLX memory in use.")
         self.mlx_peak_memory = gauge("mlx_peak_memory_bytes", "MLX peak memory since start.")
         self.kv_cache_bytes = gauge("kv_cache_bytes", "KV cache bytes held (target and drafter).")
+        # --- distributed mode (`engine.distributed`): rank 0 exports these; followers nothing
+        self.distributed_ranks = gauge(
+            "distributed_ranks", "Ranks the target is sharded over (1: one process)."
+        )
+        self.distributed_ranks.set(1)
+        self.distributed_call_time = histogram(
+            "distributed_call_broadcast_seconds",
+            "Rank 0's time to send one runner call (a step's plan) to every other rank.",
+            CALL_BUCKETS,
+        )
 
     # ----------------------------------------------------------------- recording
     def on_step(

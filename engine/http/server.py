@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -37,7 +38,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.async_engine import AsyncEngine
-from engine.errors import EngineClosed, InvalidRequest
+from engine.errors import EngineClosed, EngineFailed, InvalidRequest
 from engine.http import openai_api as api
 from engine.http import tool_calls
 from engine.http.body import check_encoding, read_limited, too_large
@@ -56,6 +57,7 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     max_tokens_cap: int = 4096  # the most tokens one request may ask for
     drain_timeout: float = 30.0
+    failure_exit_delay: float = 1.0  # seconds the 503s of a failed engine get before exit
     read_timeout: float = 30.0  # headers, then the body, must each arrive within this
     max_connections: int = 512  # open connections; one more is closed when accepted
     tool_call_parser: str | None = None  # "hermes" | "llama3_json"; None: by the chat template
@@ -101,12 +103,27 @@ class FlashbatchServer:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         # Load in the background so /health answers (and /ready says 503) while loading.
+        self.engine.failure_hooks.append(self._exit_after_failure)
         self._load_task = asyncio.create_task(self.engine.start())
         self._load_task.add_done_callback(_log_load_failure)
         yield
         if not self._load_task.done():
             self._load_task.cancel()
         await self.engine.shutdown(drain_timeout=0)
+
+    def _exit_after_failure(self, exc: BaseException) -> None:
+        """The engine stopped for good (distributed mode: a rank lost). The requests in flight
+        have their 503s or error events by now; give them a moment to leave, then exit
+        non-zero at once: the MLX thread may be stuck in a collective no rank will finish,
+        so an orderly shutdown could hang."""
+        self.draining = True
+        log.error("exiting (status 1): %s", exc)
+
+        def leave() -> None:
+            logging.shutdown()
+            os._exit(1)
+
+        asyncio.get_running_loop().call_later(self.settings.failure_exit_delay, leave)
 
     async def drain(self) -> None:
         """Stop taking requests and let in-flight ones finish (up to the drain timeout)."""
@@ -272,6 +289,13 @@ class FlashbatchServer:
                                                     logprobs=prompt_logprobs,
                                                     index=index))  # fmt: skip
                         echoes[index] = ""
+                    if output.finish_reason == "error" and self.engine.failure is not None:
+                        # Not an answer: an error event and no [DONE], so no client reads
+                        # the partial text as complete.
+                        failed = EngineFailed(f"the engine stopped: {self.engine.failure}")
+                        yield _event(api.error_body(str(failed), "service_unavailable",
+                                                    "service_unavailable"))  # fmt: skip
+                        return
                     output = last[index] = shape.visible(output)
                     logprobs = None
                     if shape.formatter is not None and output.logprobs:
@@ -328,6 +352,10 @@ class FlashbatchServer:
         finally:
             for run in runs:
                 await run.outputs.aclose()
+        if self.engine.failure is not None and any(
+            output is not None and output.finish_reason == "error" for output in last
+        ):
+            raise EngineFailed(f"the engine stopped: {self.engine.failure}")
         if any(output is None or not output.finished for output in last):
             self.http_metrics.on_disconnect("wait")
             raise _client_left("waiting for the answer")
@@ -529,6 +557,8 @@ def serve(engine: AsyncEngine, settings: ServerSettings, host: str, port: int,
     install_http_log_filters()  # after uvicorn.Config, which configures uvicorn's loggers
     server = DrainingServer(config, server_app)
     server.run()
+    if engine.failure is not None:  # distributed mode: a rank was lost
+        return 1
     return 0 if server.started else 3  # 3: uvicorn's status for a failed start-up
 
 

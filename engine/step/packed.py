@@ -124,6 +124,8 @@ def packed_unsupported_reason(model: nn.Module, inner: nn.Module) -> str | None:
     if getattr(model, "args", None) is None or not hasattr(inner, "norm"):
         return "no model args or final norm"
     for i, layer in enumerate(inner.layers):
+        if getattr(layer, "foreign", False):  # pipeline parallel: another rank computes it
+            continue
         missing = [p for p in _LAYER_PARTS if not hasattr(layer, p)]
         missing += [p for p in ATTENTION_PARTS if not hasattr(getattr(layer, "self_attn", None), p)]
         if missing:
@@ -298,6 +300,18 @@ def _attention(
     return _with_segments(attn, out[idx.pack], queries, keys, values, idx, segment_caches, cpu)
 
 
+def _skip_attention(
+    layer: nn.Module, cache: RaggedKVCache, idx: _Indices, segment_caches: list[RaggedKVCache]
+) -> None:
+    """A layer another rank computes (pipeline parallel): empty writes that keep this rank's
+    caches as long as the owner's (`engine.distributed.pipeline.ForeignLayer`)."""
+    layout = idx.layout
+    cache.write(*[layer.empty_heads(layout.rows, layout.max_width)] * 2, list(layout.widths))
+    for (start, end), segment_cache in zip(idx.segments, segment_caches):
+        empty = layer.empty_heads(1, end - start)
+        segment_cache.update_and_fetch(empty, empty)
+
+
 def _with_segments(
     attn: nn.Module, out: mx.array, queries: mx.array, keys: mx.array, values: mx.array,
     idx: _Indices, segment_caches: list[RaggedKVCache], cpu: bool,
@@ -364,10 +378,17 @@ class PackedVerifier:
         h = self._inner.embed_tokens(tokens[None])  # [1, N, H]
         for i, (layer, layer_cache) in enumerate(zip(self._inner.layers, cache)):
             segment_caches = [s.cache[i] for s in segments]
-            h = h + _attention(
-                layer.self_attn, layer.input_layernorm(h), layer_cache, idx, cpu, segment_caches
-            )
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if getattr(layer, "foreign", False):
+                _skip_attention(layer, layer_cache, idx, segment_caches)
+            else:
+                h = h + _attention(
+                    layer.self_attn, layer.input_layernorm(h), layer_cache, idx, cpu,
+                    segment_caches,
+                )  # fmt: skip
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+            share = getattr(layer, "pipeline_share", None)
+            if share is not None:  # pipeline parallel: the owner's output, on every rank
+                h = share(h)
             if i in taps:
                 tapped.append(h[0])
         if idx.segments:  # the head runs on the rows' positions and each segment's last one

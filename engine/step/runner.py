@@ -40,6 +40,7 @@ import mlx.core as mx
 from drafters.base import Drafter, DraftSession
 from drafters.lookup import LookupDrafter, LookupSession
 from engine.backend.blas_threads import blas_threads
+from engine.distributed.group import Decisions
 from engine.step import logprobs as token_logprobs
 from engine.step.feature_journal import FeatureJournal
 from engine.step.kv_cache import RaggedKVCache
@@ -233,6 +234,9 @@ class ModelRunner:
         self.blas = blas_threads()
         # Structured output's compiler (the engine sets it: it needs the tokenizer).
         self.grammars: GrammarCompiler | None = None
+        # Where drafts and sampled tokens come from: this process, or in distributed mode
+        # rank 0 on every rank (`engine.distributed.group.SharedDecisions`).
+        self.decisions = Decisions()
 
     @property
     def source_depths(self) -> dict[str, int]:
@@ -404,7 +408,9 @@ class ModelRunner:
                      first_tokens: dict[str, mx.array]) -> None:  # fmt: skip
         """Sample a request's first token from its prompt's last logits [1, V]."""
         mask = state.grammar.masks([]) if state.grammar is not None else None
-        token = sample(logits, state.params, state.random, state.history, mask=mask)[0]
+        token = self.decisions.share(
+            sample(logits, state.params, state.random, state.history, mask=mask)
+        )[0]
         first_tokens[state.request_id] = token
         if state.params.logprobs is not None:
             self._first_logprobs.append(_logprobs_of([state], logits[None], token[None, None]))
@@ -612,6 +618,7 @@ class ModelRunner:
             for layer_cache in self._states:
                 layer_cache.recording = False
         targets = self._sample_rows(logits, states, drafts if width else None, masks)
+        targets = self.decisions.share(targets)
         if width:
             accepted = _accepted(drafts, targets, depths)
         else:
@@ -655,6 +662,7 @@ class ModelRunner:
             logits, [s.params for s in states], [s.random for s in states], layout.widths,
             [s.history for s in states], drafts, masks,
         )  # fmt: skip
+        packed_targets = self.decisions.share(packed_targets)
         by_row = mx.array(layout.padded_index(list(range(B)), 0, width + 1), dtype=mx.int32)
         targets = packed_targets[by_row].reshape(B, width + 1)
         if drafts is None:
@@ -708,7 +716,7 @@ class ModelRunner:
             [states[i].anchor for i in drafting],
             [depths[i] for i in drafting],
         )
-        drafted = candidates.tokens[:, :width]
+        drafted = self.decisions.share(candidates.tokens[:, :width])  # rank 0's everywhere
         if drafted.shape[1] < width:  # lookup rows drafted deeper than any DFlash row
             drafted = mx.pad(drafted, [(0, 0), (0, width - drafted.shape[1])])
         if self.profile_phases:

@@ -1,0 +1,256 @@
+"""Distributed mode on this machine: two ranks started by `mlx.launch -n 2 --backend ring` on
+loopback, compared with the single-process engine token for token.
+
+- the bundled pair, tensor parallel (its 6 query / 2 KV heads split over 2 ranks), DFlash and
+  lookup drafting apart, at concurrency 1 and 8, greedy and seeded sampling;
+- the bundled pair, pipeline parallel, both sources, with aborts and a drain;
+- SmolLM2 (9 / 3 heads: tensor parallel cannot split it over 2 ranks), pipeline parallel, with
+  its shipped DFlash drafter and lookup;
+- over HTTP with the official `openai` client; and killing rank 1 mid-stream gives 503s and a
+  non-zero exit of rank 0 well within 30 s.
+
+Each scenario is `tests/distributed_scenario.py`, run once under mlx.launch and once alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engine.bundled.pair import bundled_paths
+from engine.bundled.workloads import load_workloads
+
+SCENARIO = Path(__file__).with_name("distributed_scenario.py")
+LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which(
+    "mlx.launch"
+)
+TARGET, DRAFTER = bundled_paths()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_command(*command: str) -> list[str]:
+    """`mlx.launch -n 2 --backend ring` on loopback, on ports no other test holds."""
+    return [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()),
+            "--", *command]  # fmt: skip
+
+
+def _scenario(spec: dict, tmp_path: Path, distributed: bool) -> tuple[dict, str]:
+    name = f"{spec.get('parallel') or 'single'}-{'dist' if distributed else 'alone'}"
+    spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec if distributed else {**spec, "parallel": None}))
+    command = [sys.executable, str(SCENARIO), str(spec_path), str(out_path)]
+    if distributed:
+        command = _launch_command(*command)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    log = run.stdout + run.stderr
+    assert run.returncode == 0 and out_path.exists(), log[-4000:]
+    return json.loads(out_path.read_text()), log
+
+
+def _tokens(round_: list[dict]) -> list[list[int]]:
+    return [r["tokens"] for r in round_]
+
+
+def _drafted(result: dict, source: str) -> int:
+    return sum(r["drafted"].get(source, 0) for key in ("c1", "c8") for r in result[key])
+
+
+def _bundled_prompts(count: int = 8) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TARGET))
+    workloads = load_workloads()
+    texts = [t for pair in zip(workloads["editing"], workloads["completion"]) for t in pair]
+    return [list(tokenizer.encode(t[-300:])) for t in texts[:count]]
+
+
+def _compare(spec: dict, tmp_path: Path, sources: list[str]) -> tuple[dict, str]:
+    alone, _ = _scenario(spec, tmp_path, distributed=False)
+    sharded, log = _scenario(spec, tmp_path, distributed=True)
+    for key in ("c1", "c8", "seeded"):
+        if key in alone:
+            assert _tokens(sharded[key]) == _tokens(alone[key]), key
+    for source in sources:  # the sharded run did draft from it (else the test proves little)
+        assert _drafted(sharded, source) > 0, (source, sharded)
+    assert "rank 1: stopped by rank 0" in log, log[-3000:]
+    assert re.search(r"rank 1: stopped by rank 0 after \d+ calls; rows left 0, kv bytes 0", log)
+    assert sharded["rows_left"] == 0 and sharded["kv_bytes_left"] == 0
+    return sharded, log
+
+
+@pytest.mark.parametrize("source", ["dflash", "lookup"])
+def test_bundled_tensor_parallel_equals_one_process(tmp_path, source):
+    spec = {"target": str(TARGET), "drafter": str(DRAFTER), "parallel": "tensor",
+            "draft_sources": [source], "num_speculative_tokens": 4,
+            "prompts": _bundled_prompts(), "max_tokens": 20,
+            "seeded": source == "dflash"}  # fmt: skip
+    _, log = _compare(spec, tmp_path, [source])
+    assert "tensor parallel" in log
+
+
+def test_bundled_pipeline_parallel_with_aborts_and_drain(tmp_path):
+    spec = {"target": str(TARGET), "drafter": str(DRAFTER), "parallel": "pipeline",
+            "draft_sources": ["dflash", "lookup"], "num_speculative_tokens": 4,
+            "prompts": _bundled_prompts(), "max_tokens": 16, "abort": True}  # fmt: skip
+    sharded, _ = _compare(spec, tmp_path, ["dflash"])
+    reasons = sharded["aborted"]
+    assert sorted(reasons) == [str(i) for i in range(8)]
+    assert {reasons[str(i)] for i in range(1, 8, 2)} == {"abort"}
+    assert {reasons[str(i)] for i in range(0, 8, 2)} == {"length"}
+
+
+def test_smollm2_pipeline_parallel_equals_one_process(tmp_path):
+    from engine.models.pull import pull
+    from engine.models.registry import DEFAULT_MODEL
+    from engine.models.resolve import default_drafter
+
+    converted = pull(DEFAULT_MODEL)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(converted))
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that reverses a list."}],
+        add_generation_prompt=True, tokenize=True, return_dict=False,
+    )
+    texts = ["def fibonacci(n):", "The three primary colors are",
+             "import json\n\ndef load_config(path):\n    with open(path) as f:\n"]  # fmt: skip
+    prompts = [list(chat)] + [list(tokenizer.encode(t)) for t in texts]
+    prompts = prompts + prompts  # 8 at once
+    spec = {"target": str(converted), "drafter": str(default_drafter(DEFAULT_MODEL)),
+            "parallel": "pipeline", "draft_sources": ["dflash", "lookup"],
+            "num_speculative_tokens": 4, "prompts": prompts, "max_tokens": 16,
+            "seeded": True}  # fmt: skip
+    _compare(spec, tmp_path, ["dflash"])
+
+
+# ----------------------------------------------------------------------------- HTTP
+class LaunchedServer:
+    """`mlx.launch -n 2 --backend ring -- flashbatch serve --parallel ...` on loopback."""
+
+    def __init__(self, *extra: str, ready_timeout: float = 120.0) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        serve = [sys.executable, "-m", "engine.cli", "serve", "--port", str(self.port),
+                 "--log-level", "info", *extra]  # fmt: skip
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"launched-{self.port}.log"
+        self.log = open(self.log_path, "w+")
+        self.process = subprocess.Popen(
+            _launch_command(*serve), stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("distributed server did not become ready:\n" + self.text())
+
+    def text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def follower_pid(self) -> int:
+        match = re.search(r"rank 1 pid (\d+)", self.text())
+        assert match, self.text()[-3000:]
+        return int(match.group(1))
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.log.close()
+
+
+def _single_server_answers(prompt: str, chat: list[dict]) -> tuple[str, str]:
+    from engine import AsyncEngine, EngineConfig, SamplingParams  # noqa: F401
+
+    port = _free_port()
+    command = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port),
+               "--log-level", "warning", "--target", str(TARGET), "--drafter", str(DRAFTER),
+               "--num-speculative-tokens", "4"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        return _answers(url, prompt, chat)
+    finally:
+        process.kill()
+        process.wait()
+
+
+def _answers(url: str, prompt: str, chat: list[dict]) -> tuple[str, str]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    done = client.completions.create(model="target", prompt=prompt, max_tokens=24, temperature=0)
+    stream = client.chat.completions.create(model="target", messages=chat, max_tokens=24,
+                                            temperature=0, stream=True)  # fmt: skip
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    return done.choices[0].text, streamed
+
+
+def test_openai_client_over_a_tensor_parallel_server_then_rank_1_dies():
+    chat = [{"role": "user", "content": "def add(a, b):"}]
+    prompt = "import numpy as np\n\ndef mean(values):"
+    expected = _single_server_answers(prompt, chat)
+    server = LaunchedServer("--target", str(TARGET), "--drafter", str(DRAFTER),
+                            "--parallel", "tensor", "--num-speculative-tokens", "4")  # fmt: skip
+    try:
+        assert _answers(server.url, prompt, chat) == expected
+        metrics = httpx.get(server.url + "/metrics").text
+        assert "flashbatch_distributed_ranks" in metrics
+
+        # A long stream, then rank 1 dies under it.
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(model="target", prompt=prompt, max_tokens=4000,
+                                           temperature=0, stream=True)  # fmt: skip
+        pieces = []
+        killed_at = None
+        with pytest.raises(openai.APIError):
+            for chunk in stream:
+                pieces.append(chunk.choices[0].text if chunk.choices else "")
+                if len(pieces) == 5:
+                    os.kill(server.follower_pid(), signal.SIGKILL)
+                    killed_at = time.monotonic()
+        assert killed_at is not None
+        # New requests: 503 (or the server already gone), never a 200.
+        try:
+            body = {"model": "target", "prompt": "hi", "max_tokens": 4}
+            late = httpx.post(server.url + "/v1/completions", json=body, timeout=5)
+            assert late.status_code == 503, late.text
+            assert late.json()["error"]["code"] == "service_unavailable"
+        except httpx.TransportError:
+            pass
+        server.process.wait(timeout=30)
+        assert time.monotonic() - killed_at < 30
+        assert re.search(r"rank 0 exited with code 1", server.text()), server.text()[-3000:]
+    finally:
+        server.stop()

@@ -828,3 +828,16 @@ def test_dashboard_queries_return_data_from_a_real_prometheus(tmp_path):
             process.wait()
         log.close()
         exporter.close()
+
+
+def test_endpoint_picker_example_names_exported_metrics():
+    """The Gateway API Inference Extension example points the endpoint picker at metric
+    names this engine exports (a renamed metric would silently blind the router)."""
+    text = (ROOT / "deploy" / "gateway-inference-extension" / "endpoint-picker.yaml").read_text()
+    flags = dict(re.findall(r"--([a-z-]+-metric)=(flashbatch_\w+)", text))
+    assert set(flags) == {"total-queued-requests-metric", "total-running-requests-metric",
+                          "kv-cache-usage-percentage-metric"}  # fmt: skip
+    assert not set(flags.values()) - set(METRIC_NAMES), flags
+    config = yaml.safe_load(text)
+    assert config["kind"] == "EndpointPickerConfig"
+    assert "prefix-cache-scorer" in {p["type"] for p in config["plugins"]}

@@ -254,3 +254,28 @@ def test_openai_client_over_a_tensor_parallel_server_then_rank_1_dies():
         assert re.search(r"rank 0 exited with code 1", server.text()), server.text()[-3000:]
     finally:
         server.stop()
+
+
+def test_sigterm_drains_rank_0_then_stops_every_rank():
+    server = LaunchedServer("--target", str(TARGET), "--drafter", str(DRAFTER),
+                            "--parallel", "pipeline", "--num-speculative-tokens", "4")  # fmt: skip
+    try:
+        leader = int(re.search(r"rank 0 pid (\d+)", server.text()).group(1))
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(model="target", prompt="def add(a, b):",
+                                           max_tokens=64, temperature=0, stream=True)  # fmt: skip
+        reasons, pieces = [], 0
+        for chunk in stream:
+            pieces += 1
+            if pieces == 3:  # mid-stream, as a supervisor would
+                os.kill(leader, signal.SIGTERM)
+                os.kill(server.follower_pid(), signal.SIGTERM)
+            reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+        assert reasons == ["length"]  # drained: the answer completed
+        server.process.wait(timeout=60)
+        text = server.text()
+        assert re.search(r"rank 1: stopped by rank 0 after \d+ calls; rows left 0, kv bytes 0",
+                         text), text[-3000:]  # fmt: skip
+        assert "exited with code" not in text and "was killed" not in text, text[-3000:]
+    finally:
+        server.stop()

@@ -161,4 +161,4 @@ def test_engine_top_level_holds_the_public_api_and_sub_packages():
     modules = sorted(p.stem for p in (ROOT / "engine").glob("*.py"))
     assert modules == ["__init__", "async_engine", "cli", "config", "errors"]
     packages = sorted(p.parent.name for p in (ROOT / "engine").glob("*/__init__.py"))
-    assert packages == ["backend", "bundled", "http", "models", "step"]
+    assert packages == ["backend", "bundled", "distributed", "http", "models", "step"]

@@ -30,6 +30,10 @@ class DistributedError(RuntimeError):
     """A rank died, could not be reached or disagreed: the engine cannot go on."""
 
 
+class ShardingError(DistributedError, ValueError):
+    """This target cannot be split this way over this many ranks (the message says why)."""
+
+
 def launched() -> bool:
     """Whether this process was started by `mlx.launch` (or mpirun) as one of several ranks."""
     return any(name in os.environ for name in _LAUNCH_VARS)

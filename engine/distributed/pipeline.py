@@ -19,8 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.distributed.group import Group
-from engine.distributed.sharding import ShardingError
+from engine.distributed.group import Group, ShardingError
 from engine.step.packed import SUPPORTED_MODULES
 
 

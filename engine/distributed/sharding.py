@@ -17,15 +17,11 @@ from typing import Any
 
 import mlx.nn as nn
 
-from engine.distributed.group import DistributedError, Group
+from engine.distributed.group import Group, ShardingError
 
 TENSOR = "tensor"
 PIPELINE = "pipeline"
 MODES = (TENSOR, PIPELINE)
-
-
-class ShardingError(DistributedError, ValueError):
-    """This target cannot be split this way over this many ranks (the message says why)."""
 
 
 def _heads(model: nn.Module) -> tuple[int, int]:

@@ -15,6 +15,9 @@ import `engine` (or `drafters`) before `mlx`. The names below load lazily:
 - Errors: `FlashbatchError`, `InvalidRequest`, `EngineOverloaded`, `EngineClosed`,
   `EngineFailed`.
 - `blas_status()` / `report_blas()` — which BLAS CPU matmuls use.
+- Distributed mode (`EngineConfig(parallel="tensor" | "pipeline")`, every rank started by
+  `mlx.launch`): rank 0 runs the `AsyncEngine`; every other rank calls `serve_follower()` and
+  exits with its status. `is_leader()` says which this process is; `DistributedError`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ _EXPORTS = {
     "EngineOverloaded": "engine.errors",
     "EngineClosed": "engine.errors",
     "EngineFailed": "engine.errors",
+    "serve_follower": "engine.distributed.rank",
+    "is_leader": "engine.distributed.rank",
+    "DistributedError": "engine.distributed.group",
     "blas_status": "engine.backend.platform",
     "report_blas": "engine.backend.platform",
 }

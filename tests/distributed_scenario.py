@@ -87,12 +87,10 @@ def main() -> int:
         spec = json.load(file)
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     if spec.get("parallel"):
-        from engine.distributed.group import Group
-        from engine.distributed.rank import serve_follower
+        from engine import is_leader, serve_follower
 
-        group = Group.init()
-        if not group.leader:
-            return serve_follower(group)
+        if not is_leader():  # the public API's way: every other rank follows rank 0
+            return serve_follower()
     result = asyncio.run(run(spec))
     with open(out_path, "w") as file:
         json.dump(result, file)

@@ -185,7 +185,7 @@ class LaunchedServer:
         self.log.close()
 
 
-def _single_server_answers(prompt: str, chat: list[dict]) -> tuple[str, str]:
+def _single_server_answers(prompt: str, chat: list[dict]) -> tuple:
     from engine import AsyncEngine, EngineConfig, SamplingParams  # noqa: F401
 
     port = _free_port()
@@ -208,13 +208,25 @@ def _single_server_answers(prompt: str, chat: list[dict]) -> tuple[str, str]:
         process.wait()
 
 
-def _answers(url: str, prompt: str, chat: list[dict]) -> tuple[str, str]:
+def _answers(url: str, prompt: str, chat: list[dict]) -> tuple:
+    """A completion, a streamed chat answer, then 8 completions at once (threads)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     done = client.completions.create(model="target", prompt=prompt, max_tokens=24, temperature=0)
     stream = client.chat.completions.create(model="target", messages=chat, max_tokens=24,
                                             temperature=0, stream=True)  # fmt: skip
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    return done.choices[0].text, streamed
+
+    def one(text: str) -> str:
+        answer = client.completions.create(model="target", prompt=text, max_tokens=16,
+                                           temperature=0)  # fmt: skip
+        return answer.choices[0].text
+
+    texts = [t[-200:] for t in load_workloads()["completion"][:8]]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(one, texts))
+    return done.choices[0].text, streamed, together
 
 
 def test_openai_client_over_a_tensor_parallel_server_then_rank_1_dies():
@@ -279,3 +291,44 @@ def test_sigterm_drains_rank_0_then_stops_every_rank():
         assert "exited with code" not in text and "was killed" not in text, text[-3000:]
     finally:
         server.stop()
+
+
+# ----------------------------------------------------------------------------- refusals
+def test_refusals_say_why_and_what_works():
+    import mlx.core as mx  # noqa: F401
+    from mlx_lm.models import llama
+
+    from engine.distributed.group import DistributedError, Group, ShardingError
+    from engine.distributed.pipeline import blocks, shard_pipeline
+    from engine.distributed.sharding import tensor_reason
+
+    smollm2_shaped = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=72, num_hidden_layers=3, intermediate_size=96,
+        num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=64,
+    ))  # fmt: skip
+    reason = tensor_reason(smollm2_shaped, 2)
+    assert "9 query / 3 KV heads" in reason and "[1, 3]" in reason and "pipeline" in reason
+    assert tensor_reason(smollm2_shaped, 3) is None
+    assert [list(b) for b in blocks(30, 2)] == [list(range(15)), list(range(15, 30))]
+    assert [len(b) for b in blocks(7, 3)] == [3, 2, 2]
+    with pytest.raises(ShardingError, match="cannot be split"):
+        blocks(1, 2)
+
+    class NotPacked:  # a family outside the packed forward's
+        __module__ = "mlx_lm.models.gemma3_text"
+
+    with pytest.raises(ShardingError, match="llama, qwen2 and qwen3"):
+        shard_pipeline(NotPacked(), Group(group=None))
+    if not any(v in os.environ for v in ("MLX_RANK", "MLX_HOSTFILE")):
+        with pytest.raises(DistributedError, match="mlx.launch"):
+            Group.init()
+
+
+def test_serve_parallel_without_mlx_launch_is_a_clear_error():
+    run = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "serve", "--target", str(TARGET), "--parallel",
+         "tensor"], capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("MLX_")},
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert "mlx.launch -n 2" in run.stderr

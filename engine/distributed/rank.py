@@ -49,6 +49,11 @@ def _untuned() -> None:
     log.info("distributed mode: CPU kernels and row padding off (they bypass sharded layers)")
 
 
+def is_leader() -> bool:
+    """Whether this process is rank 0 of the group `mlx.launch` started (joining it)."""
+    return Group.init().leader
+
+
 def load_leader(config: EngineConfig, drafter_path: str | None, sources: tuple[str, ...],
                 group: Group | None = None) -> tuple[Any, Any]:  # fmt: skip
     """Rank 0's runner (mirrored to the followers) and tokenizer."""

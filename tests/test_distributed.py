@@ -332,3 +332,23 @@ def test_serve_parallel_without_mlx_launch_is_a_clear_error():
     )  # fmt: skip
     assert run.returncode == 2, run.stderr
     assert "mlx.launch -n 2" in run.stderr
+
+
+def test_broadcast_object_small_and_past_the_first_collective(tmp_path):
+    """A plan fits the first collective; admissions with long prompts take a second one."""
+    script = tmp_path / "broadcast.py"
+    script.write_text(
+        "import sys\n"
+        "from engine.distributed.group import FIRST_BYTES, Group\n"
+        "g = Group.init()\n"
+        "objects = [None, ('call', 'execute', ({'a': 1},), {}), list(range(20000)),\n"
+        "           b'x' * (FIRST_BYTES - 40), 'y' * (3 * FIRST_BYTES)]\n"
+        "for obj in objects:\n"
+        "    got = g.broadcast_object(obj if g.leader else None)\n"
+        "    assert got == obj, (g.rank, type(obj))\n"
+        "print(f'rank {g.rank} ok', flush=True)\n"
+    )
+    run = subprocess.run(_launch_command(sys.executable, str(script)), capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    log = run.stdout + run.stderr
+    assert "rank 0 ok" in log and "rank 1 ok" in log, log[-3000:]

@@ -95,6 +95,8 @@ def follow(group: Group, runner: Any) -> int:
         calls += 1
         try:
             getattr(runner, name)(*args, **kwargs)
+            if name == "execute" and runner.lookahead_pending:
+                runner.advance()  # as rank 0's engine does (`AsyncEngine._execute_then_advance`)
         except DistributedError as exc:
             log.error("rank %d: a rank was lost during %s: %s", group.rank, name, exc)
             return 1

@@ -95,16 +95,29 @@ class Group:
         return out
 
     def broadcast_object(self, value: Any = None) -> Any:
-        """Rank 0's `value` on every rank (pickled; the followers pass nothing)."""
+        """Rank 0's `value` on every rank (pickled; the followers pass nothing). One collective
+        of `FIRST_BYTES` (the length, then the start of the payload) carries a step's plan
+        whole; a longer payload (admissions with long prompts) takes a second for the rest."""
         payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if self.leader else b""
-        size = self.all_sum(mx.array([len(payload)], dtype=mx.int32))
-        n = int(_checked(size).item())
+        first = np.zeros(FIRST_BYTES, dtype=np.uint8)
         if self.leader:
-            data = mx.array(np.frombuffer(payload, dtype=np.uint8))
+            first[:4] = np.frombuffer(len(payload).to_bytes(4, "little"), dtype=np.uint8)
+            head = payload[: FIRST_BYTES - 4]
+            first[4 : 4 + len(head)] = np.frombuffer(head, dtype=np.uint8)
+        received = np.array(_checked(self.all_sum(mx.array(first))))
+        n = int.from_bytes(received[:4].tobytes(), "little")
+        rest = n - (FIRST_BYTES - 4)
+        if rest > 0:
+            if self.leader:
+                tail = mx.array(np.frombuffer(payload[FIRST_BYTES - 4 :], dtype=np.uint8))
+            else:
+                tail = mx.zeros((rest,), dtype=mx.uint8)
+            tail_bytes = np.array(_checked(self.all_sum(tail))).tobytes()
         else:
-            data = mx.zeros((n,), dtype=mx.uint8)
-        received = _checked(self.all_sum(data))
-        return value if self.leader else pickle.loads(np.array(received).tobytes())
+            tail_bytes = b""
+        if self.leader:
+            return value
+        return pickle.loads(received[4 : 4 + min(n, FIRST_BYTES - 4)].tobytes() + tail_bytes)
 
     def barrier(self) -> None:
         """Every rank reaches this point (a one-element sum)."""
@@ -112,6 +125,8 @@ class Group:
 
 
 _joined: Group | None = None
+# A step's plan with 32 rows pickles to 2-3 KB: one collective of this size carries it whole.
+FIRST_BYTES = 4096
 
 
 def _checked(x: mx.array) -> mx.array:

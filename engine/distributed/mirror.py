@@ -16,9 +16,11 @@ from typing import Any
 from engine.distributed.follower import CALL, SET, STOP
 from engine.distributed.group import Group
 
-# The runner's methods that run a forward (or decide a later one's shape).
+# The runner's methods that run a forward (or decide a later one's shape). `advance` is not
+# among them: the engine calls it right after `execute` exactly when the runner has a
+# lookahead pending, which every rank knows alike, so a follower advances on its own.
 MIRRORED_CALLS = frozenset(
-    {"execute", "advance", "profile", "bytes_per_token", "bytes_per_row", "prefix_bytes_per_token"}
+    {"execute", "profile", "bytes_per_token", "bytes_per_row", "prefix_bytes_per_token"}
 )
 MIRRORED_SETS = frozenset({"prefix_caching"})
 

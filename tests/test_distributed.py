@@ -352,3 +352,32 @@ def test_broadcast_object_small_and_past_the_first_collective(tmp_path):
                          text=True, timeout=120)  # fmt: skip
     log = run.stdout + run.stderr
     assert "rank 0 ok" in log and "rank 1 ok" in log, log[-3000:]
+
+
+def test_a_rank_that_stops_answering_trips_the_rank_timeout():
+    server = LaunchedServer("--target", str(TARGET), "--parallel", "tensor",
+                            "--num-speculative-tokens", "0", "--rank-timeout", "4")  # fmt: skip
+    follower = server.follower_pid()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(model="target", prompt="def add(a, b):",
+                                           max_tokens=4000, temperature=0, stream=True)  # fmt: skip
+        stopped_at = None
+        with pytest.raises(openai.APIError):
+            for count, _ in enumerate(stream):
+                if count == 5:
+                    os.kill(follower, signal.SIGSTOP)  # alive, but silent
+                    stopped_at = time.monotonic()
+        assert stopped_at is not None
+        deadline = stopped_at + 30
+        while time.monotonic() < deadline and "rank 0 exited with code 1" not in server.text():
+            time.sleep(0.2)
+        assert "rank 0 exited with code 1" in server.text(), server.text()[-3000:]
+        assert "did not answer within 4 s" in server.text()
+        assert time.monotonic() - stopped_at < 30
+    finally:
+        try:
+            os.kill(follower, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        server.stop()

@@ -373,6 +373,8 @@ class AsyncEngine:
         scheduler = self.scheduler
         last_arrival: float | None = None  # the previous step's result (None: idle since)
         while True:
+            if self.failure is not None:  # distributed: a rank lost; no step may run again
+                return
             if not scheduler.has_work:
                 if self._stopped:
                     return
@@ -457,12 +459,16 @@ class AsyncEngine:
         self._notifier.submit(loop.call_soon_threadsafe, _settle, done, result, None)
         try:
             self._runner.advance()
-        except Exception:  # the next step's sync fails the same way and is handled there
+        except Exception as exc:  # the next step's sync fails the same way and is handled there
             log.exception("lookahead forward failed")
+            if self.config.parallel:  # but a lost rank may hang that sync: stop now
+                loop.call_soon_threadsafe(self._fail_for_good, exc)
 
     def _fail_for_good(self, exc: BaseException) -> None:
         """Distributed mode: a step failed or timed out (a rank lost). Every request fails
         (HTTP 503), nothing new is accepted, and the failure hooks run (the server exits)."""
+        if self.failure is not None:  # already stopped (a lookahead failed first)
+            return
         if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
             exc = EngineFailed(f"a rank did not answer within {self.config.rank_timeout_s:.0f} s")
         log.error("distributed step failed; the engine stops: %s", exc)

@@ -411,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tensor (heads split; mlx-lm's shard()) or pipeline (layers split)",
     )  # fmt: skip
     srv.add_argument(
-        "--rank-timeout", type=float, default=_env("RANK_TIMEOUT", 30.0, float),
+        "--rank-timeout", type=float, default=_env("RANK_TIMEOUT", 20.0, float),
         help="with --parallel: seconds a step may take before a rank counts as lost (then "
         "every request gets a 503 and the server exits non-zero)",
     )  # fmt: skip

@@ -63,7 +63,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     parallel: str | None = None
     # Distributed mode: a step that has not finished after this many seconds means a rank
     # stopped answering; the engine then fails every request and the server exits non-zero.
-    rank_timeout_s: float = 30.0
+    rank_timeout_s: float = 20.0
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:

@@ -233,8 +233,10 @@ def test_openai_client_over_a_tensor_parallel_server_then_rank_1_dies():
     chat = [{"role": "user", "content": "def add(a, b):"}]
     prompt = "import numpy as np\n\ndef mean(values):"
     expected = _single_server_answers(prompt, chat)
+    # Adaptive depth here (the default): the warm-up profile and the controller run sharded,
+    # and greedy output is the same at any depth.
     server = LaunchedServer("--target", str(TARGET), "--drafter", str(DRAFTER),
-                            "--parallel", "tensor", "--num-speculative-tokens", "4")  # fmt: skip
+                            "--parallel", "tensor")  # fmt: skip
     try:
         assert _answers(server.url, prompt, chat) == expected
         metrics = httpx.get(server.url + "/metrics").text

@@ -226,3 +226,23 @@ class ScriptedDrafter:
 
     def close(self, session: _ScriptedSession) -> None:
         pass
+
+
+def wait_until_ready(url: str, process, timeout: float) -> bool:
+    """Poll `url`/ready until it answers 200 (True), the server process ends or `timeout`
+    seconds pass (False)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None:
+            return False
+        time.sleep(0.1)
+    return False

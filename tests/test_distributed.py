@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from factories import wait_until_ready
 
 from engine.bundled.pair import bundled_paths
 from engine.bundled.workloads import load_workloads
@@ -128,7 +129,9 @@ def test_smollm2_pipeline_parallel_equals_one_process(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(str(converted))
     chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write a Python function that reverses a list."}],
-        add_generation_prompt=True, tokenize=True, return_dict=False,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
     )
     texts = ["def fibonacci(n):", "The three primary colors are",
              "import json\n\ndef load_config(path):\n    with open(path) as f:\n"]  # fmt: skip
@@ -156,16 +159,8 @@ class LaunchedServer:
             _launch_command(*serve), stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
         )  # fmt: skip
-        deadline = time.monotonic() + ready_timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.2)
+        if wait_until_ready(self.url, self.process, ready_timeout):
+            return
         self.stop()
         raise RuntimeError("distributed server did not become ready:\n" + self.text())
 
@@ -186,8 +181,6 @@ class LaunchedServer:
 
 
 def _single_server_answers(prompt: str, chat: list[dict]) -> tuple:
-    from engine import AsyncEngine, EngineConfig, SamplingParams  # noqa: F401
-
     port = _free_port()
     command = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port),
                "--log-level", "warning", "--target", str(TARGET), "--drafter", str(DRAFTER),
@@ -195,13 +188,7 @@ def _single_server_answers(prompt: str, chat: list[dict]) -> tuple:
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        assert wait_until_ready(url, process, 60), "the single-process server did not start"
         return _answers(url, prompt, chat)
     finally:
         process.kill()

@@ -10,14 +10,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import mlx.core as mx
 import openai
 import pytest
-from factories import PROMTOOL_ABSENT
+from factories import PROMTOOL_ABSENT, wait_until_ready
 from mlx_lm.generate import generate_step
 
 from engine.models.loading import load_target_model
@@ -46,16 +45,8 @@ class ServerProcess:
         self.process = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
-        deadline = time.monotonic() + ready_timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.1)
+        if wait_until_ready(self.url, self.process, ready_timeout):
+            return
         self.stop()
         self.log.seek(0)
         raise RuntimeError("server did not become ready:\n" + self.log.read())

@@ -37,7 +37,7 @@ def _prompts(tokenizer, count: int) -> list[list[int]]:
 
 
 async def _serve(args: argparse.Namespace, depth: int, concurrency: int, steps: list,
-                 broadcast: list) -> float:  # fmt: skip
+                 broadcast: list, sums: dict) -> float:  # fmt: skip
     from engine import AsyncEngine, EngineConfig, SamplingParams
 
     config = EngineConfig(target=args.target, drafter=args.drafter, parallel=args.parallel,
@@ -58,9 +58,10 @@ async def _serve(args: argparse.Namespace, depth: int, concurrency: int, steps: 
         eng.step_hooks.append(lambda r: steps.append(
             {"seconds": r.step_seconds, "verify": r.verify_tokens, "batch": r.batch_size,
              "prefill": r.prefill_tokens}))  # fmt: skip
-        started = time.perf_counter()
+        started, counted = time.perf_counter(), _SUMS[0]
         for i in range(0, len(prompts), concurrency):
             await asyncio.gather(*(one(p) for p in prompts[i : i + concurrency]))
+        sums["n"] = _SUMS[0] - counted  # built on rank 0 while serving (the forwards' too)
         return time.perf_counter() - started
 
 
@@ -83,7 +84,24 @@ def _collective_seconds(hidden: int, dtype, positions: list[int], repeats: int =
     return out
 
 
+_SUMS = [0]  # every all_sum this process built (mlx-lm's sharded layers' included)
+
+
+def _count_sums() -> None:
+    """Count `mx.distributed.all_sum` calls (looked up at call time by mlx-lm's layers too)."""
+    import mlx.core as mx
+
+    inner = mx.distributed.all_sum
+
+    def counted(*a, **k):
+        _SUMS[0] += 1
+        return inner(*a, **k)
+
+    mx.distributed.all_sum = counted
+
+
 def run(args: argparse.Namespace) -> int:
+    _count_sums()
     if args.parallel:
         from engine.distributed.group import Group
         from engine.distributed.rank import serve_follower
@@ -100,9 +118,11 @@ def run(args: argparse.Namespace) -> int:
         for concurrency in (1, 8):
             steps: list = []
             broadcast: list[float] = []  # every call's (execute, advance, ...) send time
-            wall = asyncio.run(_serve(args, depth, concurrency, steps, broadcast))
+            sums = {}
+            wall = asyncio.run(_serve(args, depth, concurrency, steps, broadcast, sums))
             cells[f"depth{depth}-c{concurrency}"] = {"wall": wall, "steps": steps,
-                                                     "broadcast": broadcast}  # fmt: skip
+                                                     "broadcast": broadcast,
+                                                     "all_sums": sums.get("n", 0)}  # fmt: skip
     result = {"mode": args.parallel or "single", "target": args.target, "cells": cells}
     if args.parallel:
         result["all_sum"] = _collective_seconds(args.hidden, _dtype(args), [1, 8, 40])
@@ -125,7 +145,8 @@ def report(args: argparse.Namespace) -> int:
     runs = {p.stem: json.loads(p.read_text()) for p in paths}  # the single-process run first
     single = runs.get("single")
     lines = ["| cell | mode | steps | wall s | wall vs one process | median step ms (runner) "
-             "| call sends ms / step |", "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| call sends ms / step | all_sums / step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for cell in (single or next(iter(runs.values())))["cells"]:
         base = None
         for mode, run_ in runs.items():
@@ -136,8 +157,9 @@ def report(args: argparse.Namespace) -> int:
             sends = data.get("broadcast") or []
             cast = f"{sum(sends) / len(steps) * 1e3:.2f}" if sends else "-"
             ratio = f"{wall / base:.2f}x" if base and mode != "single" else "1"
+            per_step = data.get("all_sums", 0) / len(steps)
             lines.append(f"| {cell} | {mode} | {len(steps)} | {wall:.2f} | {ratio} | "
-                         f"{median:.1f} | {cast} |")  # fmt: skip
+                         f"{median:.1f} | {cast} | {per_step:.1f} |")  # fmt: skip
     for mode, run_ in runs.items():
         if "all_sum" in run_:
             sums = ", ".join(f"T={t}: {s * 1e3:.3f} ms" for t, s in run_["all_sum"].items())

@@ -404,3 +404,24 @@ def test_card_lists_every_sitting_and_eval(tiny, tmp_path, monkeypatch):
     assert "`first sitting`" in card and "`second sitting`" in card
     assert "| 2 | 1.500 | chat 1.50 | kept |" in card
     assert "candidate-set loss" in card and "warm start" not in card
+
+
+def test_tau_projection_fits_tau_against_log_labels():
+    """Two evals a doubling of labels apart, tau +0.5 each kind: the line says +0.5 per
+    doubling, and the sittings each aim needs follow from the sittings' median labels."""
+    sittings = [
+        {"stage": "sitting", "step_start": 0, "step_end": 100, "labels_start": 0,
+         "labels": 1000},
+        {"stage": "eval", "step": 100, "tau": {"editing": 1.5, "completion": 1.5, "chat": 1.5}},
+        {"stage": "sitting", "step_start": 100, "step_end": 200, "labels_start": 1000,
+         "labels": 1000},
+        {"stage": "eval", "step": 200, "tau": {"editing": 2.0, "completion": 2.0, "chat": 1.0}},
+    ]  # fmt: skip
+    state = campaign.State(step=200, labels_seen=2000)
+    text = "\n".join(campaign.tau_projection(sittings, state))
+    assert "| 1,000 | 1.500 | 1.500 | 1.500 |" in text and "| 2,000 |" in text
+    # completion: 2.0 at 2000 labels, +0.5 a doubling: 3.0 at 8000, i.e. 6 sittings more
+    assert "| completion | 3.0 | +0.500 | 8e+03 | 6 |" in text
+    assert "| chat | 2.5 | -0.500 | not rising | - |" in text
+    one_eval = campaign.tau_projection(sittings[:2], campaign.State(step=100, labels_seen=1000))
+    assert "Two evals" in one_eval[-1]

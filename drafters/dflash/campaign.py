@@ -814,6 +814,52 @@ def run_eval(
 
 
 # =================================================================== model card
+# The issue's aims: held-out greedy tau per kind at the shipped block size.
+TAU_AIMS = {"editing": 3.5, "completion": 3.0, "chat": 2.5}
+
+
+def _labels_at(step: int, sittings: list[dict], state: State) -> float:
+    """Labels seen at `step`: from the sitting that ended there, else pro rata."""
+    for s in sittings:
+        if s.get("stage") != "eval" and s.get("step_end") == step and "labels_start" in s:
+            return float(s["labels_start"] + s.get("labels", 0))
+    return state.labels_seen * step / max(state.step, 1)
+
+
+def tau_projection(sittings: list[dict], state: State) -> list[str]:
+    """Markdown lines: tau against labels seen (every kept eval), a straight line through
+    tau against log(labels) per kind, and the labels and sittings each aim needs at it.
+    Crude by design: a handful of noisy points, and learning curves bend."""
+    evals = [s for s in sittings if s.get("stage") == "eval" and s.get("tau")]
+    points = [(_labels_at(s["step"], sittings, state), s["tau"]) for s in evals]
+    points = [(labels, tau) for labels, tau in points if labels > 0]
+    lines = ["| labels seen | " + " | ".join(TAU_AIMS) + " |",
+             "|---:|" + "---:|" * len(TAU_AIMS)]  # fmt: skip
+    for labels, tau in points:
+        cells = " | ".join(f"{tau.get(kind, float('nan')):.3f}" for kind in TAU_AIMS)
+        lines.append(f"| {labels:,.0f} | {cells} |")
+    per_sitting = [s["labels"] for s in sittings if s.get("stage") == "sitting" and s.get("labels")]
+    if len({labels for labels, _ in points}) < 2 or not per_sitting:
+        return lines + ["", "Two evals at different label counts are needed for a projection."]
+    sitting = float(np.median(per_sitting))
+    lines += ["", f"Straight line through tau against ln(labels), per kind; a sitting is "
+              f"{sitting:,.0f} labels (the median so far):", "",
+              "| kind | aim | tau per doubling of labels | labels for the aim | sittings more |",
+              "|---|---:|---:|---:|---:|"]  # fmt: skip
+    x = np.log([labels for labels, _ in points])
+    for kind, aim in TAU_AIMS.items():
+        y = np.array([tau.get(kind, np.nan) for _, tau in points])
+        slope, intercept = np.polyfit(x, y, 1)
+        if slope <= 0:
+            lines.append(f"| {kind} | {aim} | {slope * np.log(2):+.3f} | not rising | - |")
+            continue
+        needed = float(np.exp((aim - intercept) / slope))
+        more = max(0.0, needed - state.labels_seen) / sitting
+        lines.append(f"| {kind} | {aim} | {slope * np.log(2):+.3f} | {needed:,.3g} | "
+                     f"{more:,.3g} |")  # fmt: skip
+    return lines
+
+
 def write_card(drafter_dir: Path, target_name: str) -> Path:
     """MODEL_CARD.md beside the drafter: recipe, every sitting and every eval, from the
     state and the sittings log (regenerate it before each checkpoint commit)."""
@@ -880,6 +926,10 @@ records (start of the sitting, after 100 of its steps, end / accuracy at the end
 | at (UTC) | step | mean tau | per kind | outcome |
 |---|---:|---:|---|---|
 {chr(10).join(evals)}
+
+## Projection: tau against labels seen
+
+{chr(10).join(tau_projection(sittings, state))}
 """
     path = drafter_dir / "MODEL_CARD.md"
     path.write_text(card)

@@ -295,6 +295,16 @@ def test_refusals_say_why_and_what_works():
         model_type="llama", hidden_size=72, num_hidden_layers=3, intermediate_size=96,
         num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=64,
     ))  # fmt: skip
+    from mlx_lm.models import qwen3_moe
+
+    moe = qwen3_moe.Model(qwen3_moe.ModelArgs(
+        model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+        mlp_only_layers=[], head_dim=16, rope_theta=10000.0, tie_word_embeddings=False,
+        max_position_embeddings=128, norm_topk_prob=True,
+    ))  # fmt: skip
+    assert "covers llama, qwen2 and qwen3" in tensor_reason(moe, 2)
     reason = tensor_reason(smollm2_shaped, 2)
     assert "9 query / 3 KV heads" in reason and "[1, 3]" in reason and "pipeline" in reason
     assert tensor_reason(smollm2_shaped, 3) is None

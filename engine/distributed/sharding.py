@@ -33,11 +33,24 @@ def _heads(model: nn.Module) -> tuple[int, int]:
     return int(heads), int(kv)
 
 
+# The families whose mlx-lm `shard()` splits only the layers' projections (each summed back
+# over the group inside the layer), which the engine's packed and padded forwards, taps and
+# head follow unchanged. Others' `shard()` also splits the LM head by vocabulary (qwen3_5) or
+# the experts and recurrent mixers, which the engine's verify and rollback do not follow yet.
+TENSOR_FAMILIES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
+
+
 def tensor_reason(model: nn.Module, ranks: int) -> str | None:
     """Why `model` cannot run tensor parallel over `ranks` ranks (None: it can)."""
     family = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
     if not callable(getattr(model, "shard", None)):
         return f"mlx-lm's {family!r} has no tensor-parallel shard(); use --parallel pipeline"
+    if type(model).__module__ not in TENSOR_FAMILIES:
+        return (
+            f"tensor parallel here covers llama, qwen2 and qwen3; mlx-lm's {family!r} shard() "
+            "also splits parts (LM head, experts, recurrent mixers) the engine's verify does "
+            "not follow yet"
+        )
     heads, kv = _heads(model)
     if heads % ranks or kv % ranks:
         divisors = [n for n in range(1, kv + 1) if heads % n == 0 and kv % n == 0]

@@ -380,3 +380,18 @@ def test_a_rank_that_stops_answering_trips_the_rank_timeout():
         except ProcessLookupError:
             pass
         server.stop()
+
+
+def test_a_target_the_ranks_cannot_shard_fails_every_rank_with_the_reason():
+    from engine.models.pull import pull
+    from engine.models.registry import DEFAULT_MODEL
+
+    port = _free_port()
+    serve = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--target",
+             str(pull(DEFAULT_MODEL)), "--parallel", "tensor"]  # fmt: skip
+    started = time.monotonic()
+    run = subprocess.run(_launch_command(*serve), capture_output=True, text=True, timeout=120)
+    log = run.stdout + run.stderr
+    assert "9 query / 3 KV heads" in log and "use --parallel pipeline" in log, log[-3000:]
+    assert re.search(r"rank [01] exited with code [12]", log), log[-3000:]
+    assert time.monotonic() - started < 120

@@ -102,7 +102,13 @@ def serve_follower(group: Group | None = None, stop_grace: float = 45.0) -> int:
         log.error("rank %d: no configuration from rank 0: %s", group.rank, exc)
         return 1
     layer_ids = _tapped(drafter_path)
-    model, tokenizer = load_target_model(config.target, sharder(config.parallel, group, layer_ids))
+    try:
+        model, tokenizer = load_target_model(
+            config.target, sharder(config.parallel, group, layer_ids)
+        )
+    except DistributedError as exc:  # ShardingError: rank 0 says the same and exits too
+        log.error("rank %d: %s", group.rank, exc)
+        return 2
     drafter = None
     if drafter_path is not None:
         block_size = read_config(drafter_path).block_size

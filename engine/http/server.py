@@ -75,6 +75,7 @@ class FlashbatchServer:
         self.engine = engine
         self.settings = settings
         self.draining = False
+        self.load_error: BaseException | None = None  # the model never loaded (exit 1)
         self.http_metrics = HTTPMetrics(engine.model_name, engine.metrics.registry)
         self._load_task: asyncio.Task | None = None
 
@@ -105,11 +106,20 @@ class FlashbatchServer:
         # Load in the background so /health answers (and /ready says 503) while loading.
         self.engine.failure_hooks.append(self._exit_after_failure)
         self._load_task = asyncio.create_task(self.engine.start())
-        self._load_task.add_done_callback(_log_load_failure)
+        self._load_task.add_done_callback(self._load_done)
         yield
         if not self._load_task.done():
             self._load_task.cancel()
         await self.engine.shutdown(drain_timeout=0)
+
+    def _load_done(self, task: asyncio.Task) -> None:
+        """A load that failed (a bad checkpoint, a target its ranks cannot shard) leaves
+        nothing to serve: exit non-zero rather than answer 503 forever."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("model loading failed: %s", task.exception())
+        self.load_error = task.exception()
+        self._exit_after_failure(task.exception())
 
     def _exit_after_failure(self, exc: BaseException) -> None:
         """The engine stopped for good (distributed mode: a rank lost). The requests in flight
@@ -496,11 +506,6 @@ def _event(body: dict) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
-def _log_load_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("model loading failed: %s", task.exception())
-
-
 # ----------------------------------------------------------------------------- running
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with flashbatch's shutdown. The first SIGTERM/SIGINT drains the engine
@@ -557,8 +562,8 @@ def serve(engine: AsyncEngine, settings: ServerSettings, host: str, port: int,
     install_http_log_filters()  # after uvicorn.Config, which configures uvicorn's loggers
     server = DrainingServer(config, server_app)
     server.run()
-    if engine.failure is not None:  # distributed mode: a rank was lost
-        return 1
+    if engine.failure is not None or server_app.load_error is not None:  # a rank lost, or
+        return 1  # the model never loaded
     return 0 if server.started else 3  # 3: uvicorn's status for a failed start-up
 
 

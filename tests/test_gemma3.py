@@ -186,3 +186,45 @@ def test_the_model_is_registered_with_its_licence_and_shape(converted):
     config = json.loads((converted / "config.json").read_text())
     for key, value in GOOGLE_CONFIG.items():
         assert config[key] == pytest.approx(value), key
+
+
+# Prompts whose continuation repeats them (lookup drafts match) beside ones that do not.
+REPEATING = [
+    "The primary colors are red, blue, and yellow.\n\nThe primary colors are red, blue, and "
+    "yellow.\n\nThe primary colors are",
+    "Water boils at 100 degrees Celsius.\n\nWater boils at 100 degrees Celsius.\n\nWater boils",
+]
+
+
+def test_lookup_drafts_verified_padded_stay_greedy_exact(reference, tokenizer):
+    """Gemma 3 verifies padded (not a packed-verify family) with the LM head on each row's own
+    positions only (`ModelRunner._head_on_rows`): four rows at once, two drafting by prompt
+    lookup at depth 4 and two with nothing to look up, equal the independent reference."""
+    prompts = [tokenizer.encode(p) for p in [*REPEATING, *PROMPTS[:2]]]
+    expected = [plain_greedy(reference, ids, 16) for ids in prompts]
+
+    async def run() -> tuple[list[list[int]], list, int]:
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        config = EngineConfig(target=NAME, num_speculative_tokens=4, max_num_seqs=4)
+        async with AsyncEngine(config) as engine:
+            runner = engine._runner
+            heads, original = [], runner._head_on_rows
+            runner._head_on_rows = lambda *a: heads.append(a[2]) or original(*a)
+            accepted = []
+            engine.step_hooks.append(
+                lambda r: accepted.extend(o.accepted for o in r.outcomes.values())
+            )
+
+            async def one(ids: list[int]) -> list[int]:
+                tokens: list[int] = []
+                async for out in engine.generate(ids, params):
+                    tokens += out.token_ids
+                return tokens
+
+            outputs = await asyncio.gather(*[one(ids) for ids in prompts])
+        return list(outputs), heads, sum(accepted)
+
+    outputs, heads, accepted = asyncio.run(run())
+    assert outputs == expected
+    assert any(len(set(depths)) > 1 for depths in heads)  # rows of different widths, padded
+    assert accepted > 4  # lookup drafts were kept, not only proposed

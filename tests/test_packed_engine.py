@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from test_engine import ScriptedEngine, check_invariants, plain_greedy, run_all, wait_idle
 
 from engine import EngineConfig
@@ -24,6 +25,19 @@ def _record_layouts(engine) -> list:
 
     runner._verify_packed = verify_packed
     return layouts
+
+
+def _record_head_on_rows(engine) -> list:
+    """Every padded verify whose LM head ran on the rows' own positions only."""
+    runner = engine._runner
+    calls, original = [], runner._head_on_rows
+
+    def head_on_rows(*args):
+        calls.append(len(args[1]))
+        return original(*args)
+
+    runner._head_on_rows = head_on_rows
+    return calls
 
 
 def _mixed_requests(n: int, vocab: int, seed: int, spread: float):
@@ -88,9 +102,13 @@ async def test_greedy_mixed_depths_equal_plain_decoding_at_32(qwen3_target_dir, 
     assert any(len(set(layout.widths)) > 2 for layout in layouts)
 
 
-async def test_seeded_sampling_of_a_row_ignores_its_neighbours_depths(qwen3_target_dir, vocab_size):
+@pytest.mark.parametrize("packed", [True, False])
+async def test_seeded_sampling_of_a_row_ignores_its_neighbours_depths(
+    qwen3_target_dir, vocab_size, packed
+):
     """Rows with drafting off sample exactly as in a batch where nobody drafts, while their
-    neighbours draft (a padded verify would draw their samples over the batch's width)."""
+    neighbours draft: packed, and padded where the head is separable (the padded forward's
+    LM head and samplers then run on each row's own positions only, `_head_on_rows`)."""
     rng = random.Random(3)
     prompts = [[rng.randrange(3, vocab_size) for _ in range(rng.randint(2, 12))] for _ in range(8)]
     requests = [(f"s{i}", p, 12, 0 if i % 2 else None, 0) for i, p in enumerate(prompts)]
@@ -99,12 +117,15 @@ async def test_seeded_sampling_of_a_row_ignores_its_neighbours_depths(qwen3_targ
 
     async def run(depth: int) -> list[list[int]]:
         config = EngineConfig(
-            target=str(qwen3_target_dir), max_num_seqs=8, num_speculative_tokens=depth
-        )
+            target=str(qwen3_target_dir), max_num_seqs=8, num_speculative_tokens=depth,
+            packed_verify=packed,
+        )  # fmt: skip
         async with ScriptedEngine(config, references, vocab_size, [3, 1]) as engine:
             layouts = _record_layouts(engine)
+            heads = _record_head_on_rows(engine)
             results = await run_all(engine, requests, temperature=1.0, seed=5)
-        assert bool(layouts) == (depth > 0)
+        assert bool(layouts) == (depth > 0 and packed)
+        assert bool(heads) == (depth > 0 and not packed)
         return [tokens for tokens, _ in results]
 
     drafting, plain = await run(3), await run(0)

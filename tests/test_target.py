@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 from mlx.utils import tree_flatten
 
 from engine import TargetAdapter
@@ -117,3 +118,50 @@ def test_a_prompt_chunk_runs_the_head_on_one_position_per_row(qwen3_target_dir):
     assert set(result.outcomes) == {"a"}
     prefill(runner, {"d": [5, 6, 7, 8, 9, 10, 11]}, prompt_logprobs=1, decoding=["a", "e", "f"])
     assert (1, 7, 64) in shapes  # apart, every position; the rows' step is a forward of its own
+
+
+# Beyond llama/qwen2/qwen3 (`engine.step.target.HEAD_SEPARABLE_MODULES`): the tiny configs of
+# `factories.family_config`, untied, and Gemma 3 tied as the real gemma-3-270m is.
+SEPARABLE_FAMILIES = [
+    ("gemma3_text", False), ("gemma3_text", True), ("qwen3_moe", False), ("gpt_oss", False),
+    ("qwen3_next", False), ("lfm2", True), ("qwen3_5", False), ("qwen3_5_moe", False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model_type", "tied"), SEPARABLE_FAMILIES)
+def test_families_whose_head_is_separable_give_the_forwards_logits(model_type, tied):
+    """A prefill runs the head on its last position only where the model's logits are exactly
+    `unembed` of its inner model's output: for each family listed, on a cache as the engine's
+    prefill uses it (two rows, a chunk after a chunk), the logits equal the stock forward's."""
+    import importlib
+
+    import factories
+
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    config = factories.family_config(model_type, 97, tie_word_embeddings=tied)
+    mx.random.seed(3)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    if tied and model_type == "gemma3_text":
+        model.sanitize({})  # a checkpoint without `lm_head.weight`: the embedding is the head
+    target = TargetAdapter(model, [1])
+    assert target.head_separable
+    tokens = mx.array([[5, 17, 90, 20, 31, 7, 11], [9, 8, 7, 6, 5, 4, 3]])
+    stock, split = target.new_cache(2), target.new_cache(2)
+    for chunk in (tokens[:, :4], tokens[:, 4:]):
+        logits, features = target(chunk, stock)
+        hidden, hidden_features = target.hidden_states(chunk, split)
+        assert mx.allclose(target.unembed(hidden), logits, atol=1e-5), model_type
+        assert mx.allclose(hidden_features, features, atol=1e-6)
+
+
+def test_a_soft_capped_head_is_not_separable():
+    """Gemma 2 soft-caps its logits after the head: its prefill keeps the whole forward."""
+    from mlx_lm.models import gemma2
+
+    config = dict(
+        model_type="gemma2", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+        vocab_size=50, rope_theta=10000.0,
+    )  # fmt: skip
+    target = TargetAdapter(gemma2.Model(gemma2.ModelArgs.from_dict(config)), [])
+    assert not target.head_separable

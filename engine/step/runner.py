@@ -117,6 +117,9 @@ class _Decode:
     # Packed verify: where row b's verify position i lies in the packed logits/features
     # (`layout.index(b, i)`); None when the forward was padded to `width + 1` per row.
     layout: PackedLayout | None = None
+    # A padded forward whose LM head ran on each row's own `1 + depth` positions only: how
+    # many positions each row sampled (None: `width + 1` each, or see `layout`).
+    sampled: list[int] | None = None
 
     def flat_features(self) -> mx.array:
         """The features as [positions, F]: row b's verify positions from `row_start(b)` on."""
@@ -133,6 +136,13 @@ class _Decode:
         if self.layout is None:
             return [self.width - a for a in accepted]
         return [w - 1 - a for w, a in zip(self.layout.widths, accepted)]
+
+    def unused_draws(self, accepted: list[int]) -> list[int]:
+        """Sampler draws per row past its bonus token, to give back: a row's k-th generated
+        token always takes its k-th uniform, whatever the step's depths."""
+        if self.sampled is None:
+            return self.trims(accepted)
+        return [w - 1 - a for w, a in zip(self.sampled, accepted)]
 
     @property
     def verify_tokens(self) -> int:
@@ -610,14 +620,25 @@ class ModelRunner:
             if any(s.grammar is not None for s in states):
                 _, masks = self._grammar_masks(states, depths, None, {})
         recording = bool(width and self._states)  # a verify a hybrid row must roll back
+        # A padded verify runs the LM head on each row's own positions only, where the head
+        # is separable: the padding's logits are never read, and on a large vocabulary the
+        # head is most of a position's cost (Gemma 3: 262,144 rows, more than its layers).
+        head_rows = bool(width) and self.target.head_separable
         for layer_cache in self._states if recording else ():
             layer_cache.recording = True
         try:
-            logits, features = self.target(verify_ids, self.cache)
+            if head_rows:
+                hidden, features = self.target.hidden_states(verify_ids, self.cache)
+            else:
+                logits, features = self.target(verify_ids, self.cache)
         finally:
             for layer_cache in self._states:
                 layer_cache.recording = False
-        targets = self._sample_rows(logits, states, drafts if width else None, masks)
+        layout = None
+        if head_rows:
+            logits, targets, layout = self._head_on_rows(hidden, states, depths, drafts, masks)
+        else:
+            targets = self._sample_rows(logits, states, drafts if width else None, masks)
         targets = self.decisions.share(targets)
         if width:
             accepted = _accepted(drafts, targets, depths)
@@ -625,13 +646,38 @@ class ModelRunner:
             accepted = mx.zeros((len(states),), dtype=mx.int32)
         decode = _Decode(depths, width, targets, accepted, features, len(drafting),
                          context_rows, sources, len(lookup_drafts))  # fmt: skip
+        if layout is not None:
+            decode.sampled = list(layout.widths)
         asking = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         if asking:  # only rows that asked pay for the log-softmax
-            index = mx.array(asking, dtype=mx.int32)
-            decode.logprobs = _logprobs_of(
-                [states[i] for i in asking], logits[index], targets[index]
-            )
+            if layout is None:
+                index = mx.array(asking, dtype=mx.int32)
+                rows = logits[index]
+            else:  # their positions, padded like `targets` (the padding is never committed)
+                index = mx.array(layout.padded_index(asking, 0, width + 1), dtype=mx.int32)
+                rows = logits[index].reshape(len(asking), width + 1, logits.shape[-1])
+            picked = targets[mx.array(asking, dtype=mx.int32)]
+            decode.logprobs = _logprobs_of([states[i] for i in asking], rows, picked)
         return decode
+
+    def _head_on_rows(
+        self, hidden: mx.array, states: list[_RowState], depths: list[int], drafts: mx.array,
+        masks: list | None,
+    ) -> tuple[mx.array, mx.array, PackedLayout]:  # fmt: skip
+        """The LM head and the samplers on each row's own ``1 + depth`` positions of a padded
+        forward's hidden states [B, width + 1, d]. Returns the packed logits [N, V], the
+        targets [B, width + 1] (past a row's own positions, its last one repeated: never
+        read) and the packed layout of those positions."""
+        B, W, d = hidden.shape
+        layout = PackedLayout.build([1 + k for k in depths], [0] * B)
+        real = [b * W + i for b in range(B) for i in range(layout.widths[b])]
+        logits = self.target.unembed(hidden.reshape(B * W, d)[mx.array(real, dtype=mx.int32)])
+        packed = sample_rows(
+            logits, [s.params for s in states], [s.random for s in states], layout.widths,
+            [s.history for s in states], drafts, masks,
+        )  # fmt: skip
+        by_row = mx.array(layout.padded_index(list(range(B)), 0, W), dtype=mx.int32)
+        return logits, packed[by_row].reshape(B, W), layout
 
     def _verify_packed(
         self, states: list[_RowState], depths: list[int], drafts: mx.array | None,
@@ -777,6 +823,7 @@ class ModelRunner:
         accepted = decode.accepted.tolist()
         logprobs = decode.logprobs.to_host() if decode.logprobs is not None else {}
         trims = decode.trims(accepted)
+        unused = decode.unused_draws(accepted)
         for layer_cache in self._kv:
             layer_cache.trim_rows(trims)
         if decode.width and self._states:  # each row's state after its accepted + 1 positions
@@ -806,7 +853,7 @@ class ModelRunner:
                 state.grammar.commit(committed)
             # The draws of the positions past the bonus go back: the row's k-th generated token
             # always takes its k-th uniform, so seeded output is the same at every depth.
-            state.give_back(state.draws - trims[i])
+            state.give_back(state.draws - unused[i])
             if state.lookup is not None:
                 self.lookup.commit(state.lookup, None, cached)
                 if source == LOOKUP:

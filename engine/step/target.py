@@ -15,13 +15,31 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from drafters.base import TargetShape
-from engine.step.packed import SUPPORTED_MODULES  # the families whose logits are the head's alone
+from engine.step.packed import SUPPORTED_MODULES
 from engine.step.recurrent import (
     UnsupportedHybridError,
     cache_layout,
     install_recorders,
     make_caches,
 )
+
+# mlx-lm model modules whose `Model.__call__` is the inner model (ending in its final norm)
+# followed by the LM head or the tied embedding, and nothing else, so that a prefill can run
+# the head on the one position per prompt it reads. A prompt chunk's head over every position
+# is what it costs most where the vocabulary is large: on Gemma 3 270M (262,144 rows, a head
+# larger than the rest of the model) a 4 x 250-token prefill took 6.3-7.6 s with the head on
+# every position against 3.4 s with it on the last one. Each entry is checked against the
+# stock forward by `tests/test_target.py`. Not here: `gemma2` (its logits are soft-capped
+# after the head).
+HEAD_SEPARABLE_MODULES = SUPPORTED_MODULES | {
+    "mlx_lm.models.gemma3_text",  # tied embedding (Gemma 3) or `lm_head`
+    "mlx_lm.models.qwen3_moe",
+    "mlx_lm.models.gpt_oss",
+    "mlx_lm.models.qwen3_next",
+    "mlx_lm.models.lfm2",  # always tied
+    "mlx_lm.models.qwen3_5",  # the head is the wrapped `language_model`'s
+    "mlx_lm.models.qwen3_5_moe",
+}
 
 
 class UnsupportedTargetError(ValueError):
@@ -180,10 +198,10 @@ class TargetAdapter:
     # ----------------------------------------------------------------- compute
     @property
     def head_separable(self) -> bool:
-        """Are this model's logits just `unembed` of its inner model's output? (mlx-lm
-        llama, qwen2, qwen3: the final norm's output, then the LM head or the tied embedding.)
+        """Are this model's logits just `unembed` of its inner model's output (the final
+        norm's output, then the LM head or the tied embedding: `HEAD_SEPARABLE_MODULES`)?
         Then a prefill can run the head on the few positions it reads."""
-        return type(self.model).__module__ in SUPPORTED_MODULES
+        return type(self.model).__module__ in HEAD_SEPARABLE_MODULES
 
     def __call__(
         self, tokens: mx.array, cache: list[Any] | None = None

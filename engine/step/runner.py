@@ -639,7 +639,7 @@ class ModelRunner:
             logits, targets, layout = self._head_on_rows(hidden, states, depths, drafts, masks)
         else:
             targets = self._sample_rows(logits, states, drafts if width else None, masks)
-        targets = self.decisions.share(targets)
+            targets = self.decisions.share(targets)
         if width:
             accepted = _accepted(drafts, targets, depths)
         else:
@@ -648,16 +648,7 @@ class ModelRunner:
                          context_rows, sources, len(lookup_drafts))  # fmt: skip
         if layout is not None:
             decode.sampled = list(layout.widths)
-        asking = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-        if asking:  # only rows that asked pay for the log-softmax
-            if layout is None:
-                index = mx.array(asking, dtype=mx.int32)
-                rows = logits[index]
-            else:  # their positions, padded like `targets` (the padding is never committed)
-                index = mx.array(layout.padded_index(asking, 0, width + 1), dtype=mx.int32)
-                rows = logits[index].reshape(len(asking), width + 1, logits.shape[-1])
-            picked = targets[mx.array(asking, dtype=mx.int32)]
-            decode.logprobs = _logprobs_of([states[i] for i in asking], rows, picked)
+        decode.logprobs = _asked_logprobs(states, logits, targets, layout, width)
         return decode
 
     def _head_on_rows(
@@ -672,12 +663,23 @@ class ModelRunner:
         layout = PackedLayout.build([1 + k for k in depths], [0] * B)
         real = [b * W + i for b in range(B) for i in range(layout.widths[b])]
         logits = self.target.unembed(hidden.reshape(B * W, d)[mx.array(real, dtype=mx.int32)])
+        return logits, self._sample_own_positions(logits, states, layout, drafts, masks), layout
+
+    def _sample_own_positions(
+        self, logits: mx.array, states: list[_RowState], layout: PackedLayout,
+        drafts: mx.array | None, masks: list | None,
+    ) -> mx.array:  # fmt: skip
+        """Each row samples only its own positions of the packed logits [N, V], with its own
+        sampler and random stream; rank 0's samples on every rank. Returns the targets
+        [B, width + 1] (past a row's own positions, its last one repeated: never read)."""
         packed = sample_rows(
             logits, [s.params for s in states], [s.random for s in states], layout.widths,
             [s.history for s in states], drafts, masks,
         )  # fmt: skip
-        by_row = mx.array(layout.padded_index(list(range(B)), 0, W), dtype=mx.int32)
-        return logits, packed[by_row].reshape(B, W), layout
+        packed = self.decisions.share(packed)
+        B, width = len(states), max(layout.widths) - 1
+        by_row = mx.array(layout.padded_index(list(range(B)), 0, width + 1), dtype=mx.int32)
+        return packed[by_row].reshape(B, width + 1)
 
     def _verify_packed(
         self, states: list[_RowState], depths: list[int], drafts: mx.array | None,
@@ -703,25 +705,13 @@ class ModelRunner:
         logits, features = self.packed(tokens, layout, self.cache, packed_segments)
         self._segment_outputs(segments, layout.total, logits, features)
         logits = logits[: layout.total] if segments else logits
-        # Each row samples only its own positions, with its own sampler and random stream.
-        packed_targets = sample_rows(
-            logits, [s.params for s in states], [s.random for s in states], layout.widths,
-            [s.history for s in states], drafts, masks,
-        )  # fmt: skip
-        packed_targets = self.decisions.share(packed_targets)
-        by_row = mx.array(layout.padded_index(list(range(B)), 0, width + 1), dtype=mx.int32)
-        targets = packed_targets[by_row].reshape(B, width + 1)
+        targets = self._sample_own_positions(logits, states, layout, drafts, masks)
         if drafts is None:
             accepted = mx.zeros((B,), dtype=mx.int32)
         else:
             accepted = _accepted(drafts, targets, depths)
         decode = _Decode(depths, width, targets, accepted, features, 0, layout=layout)
-        asking = [b for b, s in enumerate(states) if s.params.logprobs is not None]
-        if asking:  # their positions, padded like `targets` (the padding is never committed)
-            index = mx.array(layout.padded_index(asking, 0, width + 1), dtype=mx.int32)
-            rows = logits[index].reshape(len(asking), width + 1, logits.shape[-1])
-            picked = targets[mx.array(asking, dtype=mx.int32)]
-            decode.logprobs = _logprobs_of([states[b] for b in asking], rows, picked)
+        decode.logprobs = _asked_logprobs(states, logits, targets, layout, width)
         return decode
 
     @staticmethod
@@ -1161,6 +1151,23 @@ def _accepted(drafts: mx.array, targets: mx.array, depths: list[int]) -> mx.arra
     in_depth = mx.arange(width)[None, :] < mx.array(depths)[:, None]
     matches = (drafts == targets[:, :width]) & in_depth
     return mx.cumprod(matches.astype(mx.int32), axis=1).sum(axis=1)
+
+
+def _asked_logprobs(states: list[_RowState], logits: mx.array, targets: mx.array,
+                    layout: PackedLayout | None, width: int):  # fmt: skip
+    """Lazy logprobs of a verify's `targets` [B, width + 1] for the rows that asked (only they
+    pay for the log-softmax); None when none did. `logits` are padded [B, width + 1, V] when
+    `layout` is None, else packed [N, V] at `layout`'s positions."""
+    asking = [b for b, s in enumerate(states) if s.params.logprobs is not None]
+    if not asking:
+        return None
+    picked = mx.array(asking, dtype=mx.int32)
+    if layout is None:
+        rows = logits[picked]
+    else:  # their positions, padded like `targets` (the padding is never committed)
+        index = mx.array(layout.padded_index(asking, 0, width + 1), dtype=mx.int32)
+        rows = logits[index].reshape(len(asking), width + 1, logits.shape[-1])
+    return _logprobs_of([states[b] for b in asking], rows, targets[picked])
 
 
 def _logprobs_of(states: list[_RowState], logits: mx.array, tokens: mx.array):

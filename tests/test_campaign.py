@@ -425,3 +425,46 @@ def test_tau_projection_fits_tau_against_log_labels():
     assert "| chat | 2.5 | -0.500 | not rising | - |" in text
     one_eval = campaign.tau_projection(sittings[:2], campaign.State(step=100, labels_seen=1000))
     assert "Two evals" in one_eval[-1]
+
+
+# ------------------------------------------------------------------ offline tau
+def test_offline_accepted_runs_equal_the_speculative_loops_on_the_bundled_pair(tmp_path):
+    """The held-out tau needs no speculative loop: on the target's own greedy continuation a
+    block's run of leading argmax hits is what greedy verification accepts. Checked step by step
+    against the real loop on the bundled pair (a trained drafter: the runs are not all 0)."""
+    from drafters.dflash.checkpoint import read_config
+    from engine.bundled.workloads import load_workloads
+    from engine.models.loading import load_pair
+    from engine.step.sampling import SamplingParams
+    from engine.step.speculative import generate
+
+    target_dir, drafter_dir = bundled_paths()
+    if not (drafter_dir / "config.json").is_file():
+        pytest.skip("the bundled pair is not built in this checkout")
+    pair = load_pair(target_dir, drafter_dir)
+    config = read_config(drafter_dir)
+    depth = config.block_size - 1
+    recipe = Recipe(block_size=config.block_size, mask_token_id=config.mask_token_id, top_k=4)
+    trainer = campaign.Trainer(
+        pair.target,
+        str(target_dir),
+        pair.drafter.model,
+        campaign.State(recipe=recipe),
+        None if pair.drafter.head is None else np.array(pair.drafter.head.token_ids),
+        tmp_path / "cache",
+    )
+    compared = accepted_total = 0
+    for text in load_workloads()["completion"][:2]:
+        prompt = list(pair.tokenizer.encode(text))
+        params = SamplingParams(max_tokens=40, ignore_eos=True, num_speculative_tokens=depth)
+        out = generate(pair.target, prompt, params, drafter=pair.drafter)
+        sequence = campaign.TrainSequence(np.array(prompt + out.token_ids, np.int32), len(prompt))
+        store = trainer.store([sequence])
+        # step k starts from the last committed token: the first sampled one, then each bonus
+        anchors = len(prompt) + np.cumsum([0] + [s.committed for s in out.steps[:-1]])
+        full = [k for k, s in enumerate(out.steps) if s.drafted == depth]
+        runs = trainer.accepted_runs(store, 0, sequence, anchors[full])
+        assert runs.tolist() == [out.steps[k].accepted for k in full]
+        compared += len(full)
+        accepted_total += int(runs.sum())
+    assert compared >= 10 and accepted_total > 0

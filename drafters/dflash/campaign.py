@@ -5,6 +5,7 @@ the last one on any machine.
     python -m drafters.dflash.campaign eval                   # held-out tau; keep or restore
     python -m drafters.dflash.campaign measure --steps 40 ... # a lever, from scratch, no repo write
     python -m drafters.dflash.campaign features [--shard N]   # a shard's features, ahead of time
+    python -m drafters.dflash.campaign heldout                # held-out loss, acc, offline tau
 
 What the repository holds (`engine/models/smollm2_drafter/`, the registry's drafter directory):
 
@@ -408,13 +409,42 @@ class Trainer:
         mx.eval(self.model.parameters(), self.optimizer.state)
         return float(np.mean(losses)), float(np.mean(accs)), labels
 
+    def _measure(
+        self, store: FeatureStore, index: int, sequence: TrainSequence, anchors: np.ndarray
+    ) -> tuple[tuple[float, float], np.ndarray, np.ndarray, float]:
+        """Full-head (loss, acc) of the blocks at `anchors`, each block row's argmax hit [N, B-1],
+        which rows count (label inside the sequence and the draft vocabulary) and their weight."""
+        blocks, batch = self.blocks_of(store, index, sequence, anchors, None)
+        hidden = block_states(self.model, self.target, store.get(index), blocks)
+        loss, acc = lever_loss(hidden, self.head_weight, batch, candidates=False, distill=0.0)
+        inside = batch.weights > 0
+        top = np.array(mx.argmax(hidden @ self.head_weight.T, axis=-1))
+        hits = (top == batch.labels) & inside
+        return (loss.item(), acc.item()), hits, inside, float(batch.weights.sum())
+
+    def accepted_runs(
+        self, store: FeatureStore, index: int, sequence: TrainSequence, anchors: np.ndarray
+    ) -> np.ndarray:
+        """Per anchor, how many of its block's drafts greedy verification would accept when the
+        sequence is the target's greedy continuation: the run of leading argmax hits."""
+        _, hits, _, _ = self._measure(store, index, sequence, np.asarray(anchors))
+        return np.cumprod(hits, axis=1).sum(1)
+
     def heldout(
         self, store: FeatureStore, sequences: list[TrainSequence], anchors_per_record: int = 32
     ) -> dict[str, float]:
         """Loss and accuracy over the whole draft head, cross-entropy only (comparable whatever
         the training loss), on the same `anchors_per_record` anchors of every held-out record
-        each time (0: all; on a loaded 2-core host all anchors of 32 records take ~30 min)."""
+        each time (0: all; on a loaded 2-core host all anchors of 32 records take ~30 min).
+
+        Also the offline greedy tau: the corpus is the target's own greedy continuation, so a
+        block's accepted length in greedy speculative decoding is its run of leading argmax
+        hits, and ``tau = 1 + mean(run)`` over the anchors, at the drafter's block size, with
+        no speculative loop (`acc_by_position` is the top-1 accuracy of each block row)."""
         loss_sum = acc_sum = weight_sum = 0.0
+        runs: list[np.ndarray] = []
+        hits_sum = np.zeros(self.recipe.block_size - 1)
+        rows_sum = np.zeros(self.recipe.block_size - 1)
         for index, sequence in enumerate(sequences):
             first = max(sequence.prompt_tokens - 1, 0)
             anchors = np.arange(first, len(sequence.tokens) - 1)
@@ -423,16 +453,24 @@ class Trainer:
                 anchors = np.sort(rng.choice(anchors, anchors_per_record, replace=False))
             if len(anchors) == 0:
                 continue
-            blocks, batch = self.blocks_of(store, index, sequence, anchors, None)
-            hidden = block_states(self.model, self.target, store.get(index), blocks)
-            loss, acc = lever_loss(hidden, self.head_weight, batch, candidates=False, distill=0.0)
-            weight = float(batch.weights.sum())
-            loss_sum += loss.item() * weight
-            acc_sum += acc.item() * weight
+            (loss, acc), hits, inside, weight = self._measure(store, index, sequence, anchors)
+            loss_sum += loss * weight
+            acc_sum += acc * weight
             weight_sum += weight
+            hits_sum += hits.sum(0)
+            rows_sum += inside.sum(0)
+            runs.append(np.cumprod(hits, axis=1).sum(1))
+        run = np.concatenate(runs) if runs else np.zeros(1)
         return {
             "loss": loss_sum / max(weight_sum, 1e-9),
             "acc": acc_sum / max(weight_sum, 1e-9),
+            "tau": round(1.0 + float(run.mean()), 4),
+            "acc_by_position": [round(float(h), 4) for h in hits_sum / np.maximum(rows_sum, 1)],
+            # tau were the drafting depth capped at d = 1 .. B-1 (what the adaptive depth buys)
+            "tau_by_depth": [
+                round(1.0 + float(np.minimum(run, d).mean()), 4)
+                for d in range(1, len(rows_sum) + 1)
+            ],
             "step": self.state.step,
         }
 
@@ -506,6 +544,30 @@ def load_target(name: str, layer_ids: list[int] | None, layers: int) -> tuple[Ta
     return TargetAdapter(model, list(layer_ids)), target_dir
 
 
+def heldout_of(
+    target_name: str,
+    drafter_dir: Path,
+    val_records: int | None = None,
+    heldout_anchors: int = 16,
+    cache_root: Path = CACHE_ROOT,
+    train_shard: int | None = None,
+) -> dict[str, Any]:
+    """The held-out measure (`Trainer.heldout`) of the checkpoint in `drafter_dir`, no training;
+    with `train_shard`, the same measure on that training shard's first records instead (the
+    gap between the two says whether the drafter is short of data or of capacity)."""
+    config = read_config(drafter_dir)
+    target, _ = load_target(target_name, config.target_layer_ids, config.num_hidden_layers)
+    model, state, vocab = load_checkpoint(drafter_dir)
+    trainer = Trainer(target, target_name, model, state, vocab, cache_root / Path(target_name).name)
+    train, val = corpus_split(target_name)
+    if train_shard is not None:
+        seqs = to_sequences(train, state.recipe.max_len)
+        shard = shard_slices(len(seqs), state.recipe.shard_records)[train_shard]
+        val = [train[i] for i in shard]
+    val_seqs = to_sequences(val[:val_records] if val_records else val, state.recipe.max_len)
+    return trainer.heldout(trainer.store(val_seqs), val_seqs, heldout_anchors)
+
+
 def run_sitting(
     *,
     target_name: str,
@@ -575,10 +637,11 @@ def run_sitting(
         first_heldout = trainer.heldout(val_store, val_seqs, heldout_anchors)
         record["heldout_start"] = first_heldout
         log.info(
-            "held-out at step %d: loss %.4f acc %.4f",
+            "held-out at step %d: loss %.4f acc %.4f tau %.3f",
             state.step,
             first_heldout["loss"],
             first_heldout["acc"],
+            first_heldout["tau"],
         )
         sitting_step, train_seconds, feature_seconds, labels = 0, 0.0, 0.0, 0.0
         last_save = time.time()
@@ -675,10 +738,11 @@ def run_sitting(
                 if heldout_every and (sitting_step == 100 or sitting_step % heldout_every == 0):
                     state.heldout = trainer.heldout(val_store, val_seqs, heldout_anchors)
                     log.info(
-                        "held-out at step %d: loss %.4f acc %.4f",
+                        "held-out at step %d: loss %.4f acc %.4f tau %.3f",
                         state.step,
                         state.heldout["loss"],
                         state.heldout["acc"],
+                        state.heldout["tau"],
                     )
                     if sitting_step == 100:
                         record["heldout_after_100"] = state.heldout
@@ -693,10 +757,11 @@ def run_sitting(
             save(reason)  # at once: the held-out pass below takes minutes on a loaded host
         state.heldout = trainer.heldout(val_store, val_seqs, heldout_anchors)
         log.info(
-            "held-out at step %d: loss %.4f acc %.4f",
+            "held-out at step %d: loss %.4f acc %.4f tau %.3f",
             state.step,
             state.heldout["loss"],
             state.heldout["acc"],
+            state.heldout["tau"],
         )
         save(reason + ", held-out loss recorded")
         log.info("sitting done: %s", json.dumps(record))
@@ -1021,7 +1086,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("action", choices=("run", "eval", "measure", "features", "speed", "card"))
+    parser.add_argument(
+        "action", choices=("run", "eval", "measure", "features", "speed", "card", "heldout")
+    )
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--drafter-dir", type=Path, default=DEFAULT_DRAFTER_DIR)
     parser.add_argument("--minutes", type=float, help="run: stop (and save) after this long")
@@ -1033,6 +1100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-steps", type=int)
     parser.add_argument("--log-file", type=Path)
     parser.add_argument("--shard", type=int, default=0, help="features: which shard")
+    parser.add_argument(
+        "--on-shard", action="store_true", help="heldout: measure on training shard --shard"
+    )
     # recipe (a new campaign, or `measure`; a resumed campaign keeps its stored recipe)
     parser.add_argument("--candidates", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--negatives", type=int)
@@ -1111,6 +1181,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             with args.out.open("a") as f:
                 f.write(line + "\n")
+    elif args.action == "heldout":
+        on_shard = args.shard if args.on_shard else None
+        result = heldout_of(
+            args.target,
+            args.drafter_dir,
+            args.val_records,
+            args.heldout_anchors,
+            CACHE_ROOT,
+            on_shard,
+        )
+        print(json.dumps({"drafter_dir": str(args.drafter_dir), "shard": on_shard, **result}))
     elif args.action == "card":
         print(f"card written to {write_card(args.drafter_dir, args.target)}")
     elif args.action == "speed":

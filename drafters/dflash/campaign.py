@@ -118,6 +118,7 @@ class Recipe:
     negatives: int = 256  # shared sampled negatives of the candidate set
     distill: float = 0.0  # lever (ii): weight of KL(target top-k || drafter)
     warm_start: bool = False  # lever (iii): drafter layers from the target's top layers
+    gamma: float = 0.0  # block row j's loss weight exp(-(j-1)/gamma); 0: the paper's for the block
     seed: int = 0
 
     @classmethod
@@ -340,7 +341,7 @@ class Trainer:
         self.head_weight = mx.stop_gradient(self.head_weight.astype(mx.float32))
         mx.eval(self.head_weight)
         self.cache_root = cache_root
-        self.gamma = default_gamma(self.recipe.block_size)
+        self.gamma = self.recipe.gamma or default_gamma(self.recipe.block_size)
         self.optimizer = optim.AdamW(
             learning_rate=self.recipe.lr, weight_decay=self.recipe.weight_decay
         )
@@ -1072,6 +1073,7 @@ def _recipe_from_args(args: argparse.Namespace) -> Recipe:
         "layers",
         "draft_vocab",
         "top_k",
+        "gamma",
         "warmup_steps",
     ):
         value = getattr(args, name, None)
@@ -1117,6 +1119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int)
     parser.add_argument("--draft-vocab", type=int)
     parser.add_argument("--top-k", type=int)
+    parser.add_argument("--gamma", type=float, help="loss decay over block rows (0: paper's)")
     # eval
     parser.add_argument("--prompts", type=int, default=3, help="eval: held-out prompts per kind")
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -146,6 +146,16 @@ def test_sitting_checkpoints_into_the_directory_and_the_next_one_resumes(tiny, t
     assert [s["steps"] for s in sittings] == [3, 4]
     assert state.recipe == _tiny_recipe()
 
+    # a later sitting may retune how it optimises (recorded), never the model or the data cut
+    third = campaign.run_sitting(recipe=None, max_steps=1, retune={"lr": 5e-4, "gamma": 1.5},
+                                 **kwargs)  # fmt: skip
+    assert third["retuned"] == {"lr": [1e-3, 5e-4], "gamma": [0.0, 1.5]}
+    state = campaign.read_state(drafter_dir)
+    assert (state.recipe.lr, state.recipe.gamma, state.step) == (5e-4, 1.5, 8)
+    with pytest.raises(ValueError, match="keeps block_size"):
+        campaign.run_sitting(recipe=None, max_steps=1, retune={"block_size": 8}, **kwargs)
+    assert campaign.read_state(drafter_dir).step == 8
+
 
 # ------------------------------------------------------------------ levers
 def _reference(logits: np.ndarray, batch, *, candidates: bool, distill: float) -> float:

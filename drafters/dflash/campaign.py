@@ -127,6 +127,13 @@ class Recipe:
         return cls(**{k: v for k, v in raw.items() if k in known})
 
 
+# What a resumed campaign may change (`run --lr ...`): how it optimises. The rest fixes the model
+# (layers, block size, draft vocabulary, mask token), the data cut (shards, max_len, top-k) or
+# the schedule's shape, and is kept from the campaign's start.
+RETUNABLE = ("lr", "gamma", "num_anchors", "batch_size", "passes_per_shard", "negatives",
+             "distill", "candidates")  # fmt: skip
+
+
 @dataclass
 class Cursor:
     """Where the data stream stands: records `position` onward of pass `pass_` over shard
@@ -569,6 +576,22 @@ def heldout_of(
     return trainer.heldout(trainer.store(val_seqs), val_seqs, heldout_anchors)
 
 
+def apply_retune(recipe: Recipe, changes: dict[str, Any]) -> dict[str, list[Any]]:
+    """Set the `RETUNABLE` fields in `changes` on a resumed campaign's recipe; {field: [old,
+    new]} for those that changed. Any other field that differs is an error that names it."""
+    fixed = sorted(k for k, v in changes.items() if k not in RETUNABLE and getattr(recipe, k) != v)
+    if fixed:
+        raise ValueError(
+            f"a resumed campaign keeps {', '.join(fixed)} (stored: "
+            + ", ".join(f"{k}={getattr(recipe, k)}" for k in fixed)
+            + f"); a sitting may change only {', '.join(RETUNABLE)}"
+        )
+    changed = {k: [getattr(recipe, k), v] for k, v in changes.items() if getattr(recipe, k) != v}
+    for name, (_, value) in changed.items():
+        setattr(recipe, name, value)
+    return changed
+
+
 def run_sitting(
     *,
     target_name: str,
@@ -584,16 +607,19 @@ def run_sitting(
     heldout_anchors: int = 16,
     log_every: int = 10,
     corpus: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None = None,
+    retune: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Resume (or start) the campaign in `drafter_dir` and train until `minutes` pass,
     `max_steps` steps are done, or SIGTERM; checkpoint every `checkpoint_minutes` and at the
     end. Returns the sitting's record (also in the sittings log). `corpus` (train, held-out
-    records) replaces the repository's (tests)."""
+    records) replaces the repository's (tests). `retune`: recipe fields a resumed campaign
+    changes from this sitting on (only `RETUNABLE` ones; recorded in the sitting)."""
     started = time.time()
     stop = Stop()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         resumed = has_state(drafter_dir)
+        retuned: dict[str, list[Any]] = {}
         train_records, val = corpus or corpus_split(target_name)
         if resumed:
             config = read_config(drafter_dir)
@@ -602,8 +628,9 @@ def run_sitting(
             )
             model, state, vocab = load_checkpoint(drafter_dir)
             log.info("resumed %s at step %d, cursor %s", drafter_dir, state.step, state.cursor)
-            if recipe is not None and asdict(recipe) != asdict(state.recipe):
-                log.info("a resumed campaign keeps its stored recipe %s", asdict(state.recipe))
+            retuned = apply_retune(state.recipe, retune or {})
+            if retuned:
+                log.info("retuned from this sitting on: %s", retuned)
         else:
             recipe = recipe or Recipe()
             target, target_dir = load_target(target_name, None, recipe.layers)
@@ -628,6 +655,7 @@ def run_sitting(
             "step_start": state.step,
             "labels_start": state.labels_seen,
             "recipe": asdict(recipe),
+            **({"retuned": retuned} if retuned else {}),
             "corpus_records": len(train_records),
             "shards": len(shards),
         }
@@ -1058,7 +1086,12 @@ def loss_speed(target_name: str, recipe: Recipe, rounds: int) -> dict[str, Any]:
 
 # =================================================================== CLI
 def _recipe_from_args(args: argparse.Namespace) -> Recipe:
-    recipe = Recipe()
+    return Recipe(**_recipe_args(args))
+
+
+def _recipe_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The recipe fields given on the command line."""
+    given: dict[str, Any] = {}
     for name in (
         "candidates",
         "distill",
@@ -1078,8 +1111,8 @@ def _recipe_from_args(args: argparse.Namespace) -> Recipe:
     ):
         value = getattr(args, name, None)
         if value is not None:
-            setattr(recipe, name, value)
-    return recipe
+            given[name] = value
+    return given
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1105,7 +1138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--on-shard", action="store_true", help="heldout: measure on training shard --shard"
     )
-    # recipe (a new campaign, or `measure`; a resumed campaign keeps its stored recipe)
+    # recipe (a new campaign, or `measure`; a resumed campaign keeps its stored recipe, but for
+    # the RETUNABLE fields given here, which it changes from this sitting on)
     parser.add_argument("--candidates", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--negatives", type=int)
     parser.add_argument("--distill", type=float)
@@ -1139,6 +1173,7 @@ def main(argv: list[str] | None = None) -> int:
             target_name=args.target,
             drafter_dir=args.drafter_dir,
             recipe=_recipe_from_args(args),
+            retune=_recipe_args(args),
             minutes=args.minutes,
             max_steps=args.steps,
             checkpoint_minutes=args.checkpoint_minutes,

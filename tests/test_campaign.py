@@ -157,6 +157,40 @@ def test_sitting_checkpoints_into_the_directory_and_the_next_one_resumes(tiny, t
     assert campaign.read_state(drafter_dir).step == 8
 
 
+def test_weight_average_is_what_is_measured_and_shipped_while_training_goes_on(tiny, tmp_path):
+    """With `ema`, the held-out measure and the checkpoint use avg <- ema*avg + (1-ema)*w after
+    every step, starting from the loaded weights; training itself continues on the raw ones."""
+    target, target_dir = tiny
+    recipe = _tiny_recipe(ema=0.5, draft_vocab=0)
+    config = campaign.drafter_config_for_target(
+        json.loads((target_dir / "config.json").read_text()),
+        num_layers=recipe.layers,
+        block_size=recipe.block_size,
+        mask_token_id=recipe.mask_token_id,
+        target_layer_ids=target.layer_ids,
+    )
+    model = init_drafter(config, 0)
+    trainer = campaign.Trainer(target, "tiny", model, campaign.State(recipe=recipe), None,
+                               tmp_path)  # fmt: skip
+    sequences = campaign.to_sequences(_records(4, target.vocab_size), recipe.max_len)
+    store = trainer.store(sequences)
+    expected = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    for _ in range(3):
+        trainer.step(store, [0, 1], sequences, 1e-2)
+        for name, value in tree_flatten(model.parameters()):
+            expected[name] = 0.5 * expected[name] + 0.5 * np.array(value)
+    shipped = {k: np.array(v) for k, v in trainer.shipped().items()}
+    raw = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    for name in expected:
+        np.testing.assert_allclose(shipped[name], expected[name], rtol=1e-5, atol=1e-6)
+    assert any(not np.allclose(shipped[k], raw[k]) for k in raw)
+    averaged = trainer.heldout(store, sequences, 0)
+    for name, value in tree_flatten(model.parameters()):  # the raw weights are back
+        np.testing.assert_array_equal(np.array(value), raw[name])
+    trainer.average = None  # now the raw weights: a different score
+    assert trainer.heldout(store, sequences, 0)["loss"] != averaged["loss"]
+
+
 # ------------------------------------------------------------------ levers
 def _reference(logits: np.ndarray, batch, *, candidates: bool, distill: float) -> float:
     """The loss written out row by row from full logits [N, B-1, V], in float64."""

@@ -119,6 +119,7 @@ class Recipe:
     distill: float = 0.0  # lever (ii): weight of KL(target top-k || drafter)
     warm_start: bool = False  # lever (iii): drafter layers from the target's top layers
     gamma: float = 0.0  # block row j's loss weight exp(-(j-1)/gamma); 0: the paper's for the block
+    ema: float = 0.0  # weight averaging: ship/measure avg <- ema*avg + (1-ema)*w each step; 0: off
     seed: int = 0
 
     @classmethod
@@ -130,8 +131,8 @@ class Recipe:
 # What a resumed campaign may change (`run --lr ...`): how it optimises. The rest fixes the model
 # (layers, block size, draft vocabulary, mask token), the data cut (shards, max_len, top-k) or
 # the schedule's shape, and is kept from the campaign's start.
-RETUNABLE = ("lr", "gamma", "num_anchors", "batch_size", "passes_per_shard", "negatives",
-             "distill", "candidates")  # fmt: skip
+RETUNABLE = ("lr", "gamma", "ema", "num_anchors", "batch_size", "passes_per_shard",
+             "negatives", "distill", "candidates")  # fmt: skip
 
 
 @dataclass
@@ -277,12 +278,14 @@ def save_checkpoint(
     state: State,
     draft_vocab: np.ndarray | None,
     sittings: list[dict[str, Any]],
+    weights: dict[str, mx.array] | None = None,
 ) -> None:
-    """The drafter (bf16, z-lab layout) and its training state, each file renamed into place,
-    weights first and `state.json` last."""
+    """The drafter (bf16, z-lab layout; `weights`, e.g. the average, instead of the model's
+    own) and its training state, each file renamed into place, weights first, `state.json` last."""
     config = model.config.to_dict()
     config["torch_dtype"] = "bfloat16"
-    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
+    flat = weights if weights is not None else dict(tree_flatten(model.parameters()))
+    weights = {k: v.astype(mx.bfloat16) for k, v in flat.items()}
     _replace(
         directory / "config.json",
         lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"),
@@ -353,6 +356,15 @@ class Trainer:
             learning_rate=self.recipe.lr, weight_decay=self.recipe.weight_decay
         )
         self._grad = nn.value_and_grad(model, self._loss)
+        # The average starts at the loaded weights: a sitting resumes from the last one's average
+        # (raw weights are not kept; they would double every checkpoint commit).
+        self.average = tree_map(mx.array, model.parameters()) if self.recipe.ema > 0 else None
+
+    def shipped(self) -> dict[str, mx.array]:
+        """The weights a checkpoint holds and the held-out measure scores: the average, if any."""
+        return dict(
+            tree_flatten(self.average if self.average is not None else self.model.parameters())
+        )
 
     def _loss(
         self, features: mx.array, blocks: BlockBatch, batch: Any, candidates: bool, distill: float
@@ -414,7 +426,14 @@ class Trainer:
         grads, _ = optim.clip_grad_norm(grads, r.grad_clip)
         self.optimizer.learning_rate = lr
         self.optimizer.update(self.model, grads)
+        if self.average is not None:
+            decay = self.recipe.ema
+            self.average = tree_map(
+                lambda a, w: decay * a + (1.0 - decay) * w, self.average, self.model.parameters()
+            )
         mx.eval(self.model.parameters(), self.optimizer.state)
+        if self.average is not None:
+            mx.eval(self.average)
         return float(np.mean(losses)), float(np.mean(accs)), labels
 
     def _measure(
@@ -440,7 +459,7 @@ class Trainer:
 
     def heldout(
         self, store: FeatureStore, sequences: list[TrainSequence], anchors_per_record: int = 32
-    ) -> dict[str, float]:
+    ) -> dict[str, Any]:
         """Loss and accuracy over the whole draft head, cross-entropy only (comparable whatever
         the training loss), on the same `anchors_per_record` anchors of every held-out record
         each time (0: all; on a loaded 2-core host all anchors of 32 records take ~30 min).
@@ -449,6 +468,18 @@ class Trainer:
         block's accepted length in greedy speculative decoding is its run of leading argmax
         hits, and ``tau = 1 + mean(run)`` over the anchors, at the drafter's block size, with
         no speculative loop (`acc_by_position` is the top-1 accuracy of each block row)."""
+        if self.average is not None:  # score the average, then train on from the raw weights
+            raw = self.model.parameters()
+            self.model.update(self.average)
+            try:
+                return self._heldout(store, sequences, anchors_per_record)
+            finally:
+                self.model.update(raw)
+        return self._heldout(store, sequences, anchors_per_record)
+
+    def _heldout(
+        self, store: FeatureStore, sequences: list[TrainSequence], anchors_per_record: int
+    ) -> dict[str, Any]:
         loss_sum = acc_sum = weight_sum = 0.0
         runs: list[np.ndarray] = []
         hits_sum = np.zeros(self.recipe.block_size - 1)
@@ -695,7 +726,7 @@ def run_sitting(
                     "saved": reason,
                 }
             )
-            save_checkpoint(drafter_dir, model, state, vocab, sittings)
+            save_checkpoint(drafter_dir, model, state, vocab, sittings, trainer.shipped())
             log.info(
                 "checkpoint (%s): step %d, cursor %s -> %s",
                 reason,
@@ -1107,6 +1138,7 @@ def _recipe_args(args: argparse.Namespace) -> dict[str, Any]:
         "draft_vocab",
         "top_k",
         "gamma",
+        "ema",
         "warmup_steps",
     ):
         value = getattr(args, name, None)
@@ -1154,6 +1186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-vocab", type=int)
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--gamma", type=float, help="loss decay over block rows (0: paper's)")
+    parser.add_argument("--ema", type=float, help="weight averaging decay (0: off)")
     # eval
     parser.add_argument("--prompts", type=int, default=3, help="eval: held-out prompts per kind")
     parser.add_argument("--max-tokens", type=int, default=64)

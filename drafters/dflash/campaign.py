@@ -985,6 +985,12 @@ def tau_projection(sittings: list[dict], state: State) -> list[str]:
     return lines
 
 
+SITTINGS_HEADER = (
+    "| at (UTC) | command | steps | hours | labels/s | held-out start | after 100 | end / acc "
+    "| offline tau |\n|---|---|---|---:|---:|---:|---:|---:|---:|"
+)
+
+
 def write_card(drafter_dir: Path, target_name: str) -> Path:
     """MODEL_CARD.md beside the drafter: recipe, every sitting and every eval, from the
     state and the sittings log (regenerate it before each checkpoint commit)."""
@@ -1003,11 +1009,15 @@ def write_card(drafter_dir: Path, target_name: str) -> Path:
             continue
         start, end = s.get("heldout_start") or {}, s.get("heldout_end") or {}
         hundred = s.get("heldout_after_100") or {}
+        retuned = "".join(f"; {k} {a} -> {b}" for k, (a, b) in s.get("retuned", {}).items())
+        offline = " / ".join(f"{h['tau']:.3f}" if "tau" in h else "-" for h in (start, end))
         rows.append(
-            f"| {s['at']} | `{s['command']}` | {s.get('step_start', 0)}-{s.get('step_end', '?')} "
+            f"| {s['at']} | `{s['command']}`{retuned} "
+            f"| {s.get('step_start', 0)}-{s.get('step_end', '?')} "
             f"| {s.get('seconds', 0) / 3600:.2f} | {s.get('labels_per_s') or 0:.0f} "
             f"| {start.get('loss', float('nan')):.3f} | {hundred.get('loss', float('nan')):.3f} "
-            f"| {end.get('loss', float('nan')):.3f} / {end.get('acc', float('nan')):.3f} |"
+            f"| {end.get('loss', float('nan')):.3f} / {end.get('acc', float('nan')):.3f} "
+            f"| {offline} |"
         )
     chosen = []
     if r.candidates:
@@ -1016,7 +1026,18 @@ def write_card(drafter_dir: Path, target_name: str) -> Path:
         chosen.append(f"distillation (alpha {r.distill:.2f} on KL to the target's top-{r.top_k})")
     if r.warm_start:
         chosen.append(f"warm start from the target's top {r.layers} layers")
+    if r.ema > 0:
+        chosen.append(f"weight averaging (ema {r.ema}; the shipped weights are the average)")
     levers = ", ".join(chosen) or "none (full draft-vocabulary cross-entropy, random init)"
+    gamma = r.gamma or default_gamma(r.block_size)
+    last = state.heldout or {}
+    now_heldout = (
+        f"- Held-out now (the last measure, step {last.get('step')}): offline greedy tau "
+        f"{last['tau']:.3f}; accuracy by block row {last.get('acc_by_position')}; tau were the "
+        f"depth capped at 1..{config.block_size - 1}: {last.get('tau_by_depth')}.\n"
+        if "tau" in last
+        else ""
+    )
     card = f"""# DFlash drafter for `{target_name}`
 
 Trained by `python -m drafters.dflash.campaign` on a 2-core x86_64 CPU (MLX CPU backend,
@@ -1030,20 +1051,22 @@ z-lab layout: `config.json` + `model.safetensors` (bf16), draft vocabulary in
   draft vocabulary {r.draft_vocab} rows.
 - Recipe: {r.batch_size} sequences x {r.num_anchors} anchors a step, AdamW lr {r.lr}
   (warmup {r.warmup_steps}, re-warm {r.rewarm_steps} after each resume, cosine over
-  {r.horizon_steps} steps to {r.min_lr_fraction:.0%}); levers: {levers}.
+  {r.horizon_steps} steps to {r.min_lr_fraction:.0%}), loss decay gamma {gamma:g} over block
+  rows; levers: {levers}.
 - Data: the corpus parts in `drafters/dflash/corpus/{Path(target_name).name}/`, in shards of
   {r.shard_records} records, {r.passes_per_shard} passes each; 1 key in {VAL_MODULUS} held out.
 - Now: step {state.step}, {state.labels_seen:,} labels seen, cursor shard
   {state.cursor.shard} pass {state.cursor.pass_} record {state.cursor.position}, corpus
   wrapped {state.cursor.wraps} time(s).
-
+{now_heldout}
 ## Sittings
 
 Held-out loss: cross-entropy over the whole draft vocabulary on fixed anchors of the held-out
-records (start of the sitting, after 100 of its steps, end / accuracy at the end).
+records (start of the sitting, after 100 of its steps, end / accuracy at the end). Offline
+tau: 1 + the mean run of leading argmax hits on those anchors (`campaign heldout`), at the
+start and end of the sitting, where measured.
 
-| at (UTC) | command | steps | hours | labels/s | held-out start | after 100 | end / acc |
-|---|---|---|---:|---:|---:|---:|---:|
+{SITTINGS_HEADER}
 {chr(10).join(rows)}
 
 ## Held-out tau (greedy, the bench's `mix` split, depth {config.block_size - 1})

@@ -963,7 +963,8 @@ def tau_projection(sittings: list[dict], state: State) -> list[str]:
     for labels, tau in points:
         cells = " | ".join(f"{tau.get(kind, float('nan')):.3f}" for kind in TAU_AIMS)
         lines.append(f"| {labels:,.0f} | {cells} |")
-    per_sitting = [s["labels"] for s in sittings if s.get("stage") == "sitting" and s.get("labels")]
+    counted = [s for s in sittings if s.get("stage") == "sitting" and not s.get("superseded")]
+    per_sitting = [s["labels"] for s in counted if s.get("labels")]
     if len({labels for labels, _ in points}) < 2 or not per_sitting:
         return lines + ["", "Two evals at different label counts are needed for a projection."]
     sitting = float(np.median(per_sitting))
@@ -1010,6 +1011,8 @@ def write_card(drafter_dir: Path, target_name: str) -> Path:
         start, end = s.get("heldout_start") or {}, s.get("heldout_end") or {}
         hundred = s.get("heldout_after_100") or {}
         retuned = "".join(f"; {k} {a} -> {b}" for k, (a, b) in s.get("retuned", {}).items())
+        if s.get("superseded"):  # a paired arm over the same data was adopted in its place
+            retuned += "; superseded by the next row"
         offline = " / ".join(f"{h['tau']:.3f}" if "tau" in h else "-" for h in (start, end))
         rows.append(
             f"| {s['at']} | `{s['command']}`{retuned} "

@@ -602,9 +602,8 @@ def heldout_of(
     trainer = Trainer(target, target_name, model, state, vocab, cache_root / Path(target_name).name)
     train, val = corpus_split(target_name)
     if train_shard is not None:
-        seqs = to_sequences(train, state.recipe.max_len)
-        shard = shard_slices(len(seqs), state.recipe.shard_records)[train_shard]
-        val = [train[i] for i in shard]
+        # records and sequences are one to one: the shard is cut from the record count
+        val = [train[i] for i in shard_slices(len(train), state.recipe.shard_records)[train_shard]]
     val_seqs = to_sequences(val[:val_records] if val_records else val, state.recipe.max_len)
     return trainer.heldout(trainer.store(val_seqs), val_seqs, heldout_anchors)
 

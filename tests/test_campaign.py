@@ -512,3 +512,50 @@ def test_offline_accepted_runs_equal_the_speculative_loops_on_the_bundled_pair(t
         compared += len(full)
         accepted_total += int(runs.sum())
     assert compared >= 10 and accepted_total > 0
+
+
+# ------------------------------------------------------------------ growing by layers
+def test_grow_keeps_the_predictions_and_the_next_sitting_trains_the_new_layer(tiny, tmp_path):
+    """`campaign grow` appends a layer whose output projections are zero: the held-out measure
+    is unchanged, the grow is logged and carded, and a resumed sitting moves the new layer."""
+    target, target_dir = tiny
+    vocab = target.vocab_size
+    corpus = (_records(6, vocab), _records(2, vocab, seed=1))
+    drafter_dir = tmp_path / "d"
+    kwargs = dict(
+        target_name=str(target_dir),
+        drafter_dir=drafter_dir,
+        minutes=None,
+        max_steps=2,
+        checkpoint_minutes=1e9,
+        heldout_every=0,
+        command="sitting",
+        cache_root=tmp_path / "cache",
+        corpus=corpus,
+    )
+    campaign.run_sitting(recipe=_tiny_recipe(), **kwargs)
+    sequences = campaign.to_sequences(corpus[1], 768)
+
+    def measure() -> dict:
+        model, state, draft_vocab = campaign.load_checkpoint(drafter_dir)
+        trainer = campaign.Trainer(target, "tiny", model, state, draft_vocab, tmp_path / "m")
+        return trainer.heldout(trainer.store(sequences), sequences, 0)
+
+    before = measure()
+    with pytest.raises(ValueError, match="more layers"):
+        campaign.grow_checkpoint(drafter_dir, 2, "grow")
+    record = campaign.grow_checkpoint(drafter_dir, 3, "grow --layers 3")
+    assert record["layers"] == [2, 3] and record["step"] == 2
+    assert campaign.read_config(drafter_dir).num_hidden_layers == 3
+    assert campaign.read_state(drafter_dir).recipe.layers == 3
+    after = measure()
+    assert after["tau"] == before["tau"] and after["acc"] == before["acc"]
+    assert after["loss"] == pytest.approx(before["loss"], rel=1e-6)
+    new_out = _weights(drafter_dir)["layers.2.self_attn.o_proj.weight"]
+    assert not new_out.any()
+
+    campaign.run_sitting(recipe=None, **kwargs)
+    assert campaign.read_state(drafter_dir).step == 4
+    assert _weights(drafter_dir)["layers.2.self_attn.o_proj.weight"].any()
+    card = campaign.write_card(drafter_dir, "tiny").read_text()
+    assert "`grow --layers 3`: 2 -> 3 layers" in card and "grown to 3 layers" in card

@@ -6,6 +6,7 @@ the last one on any machine.
     python -m drafters.dflash.campaign measure --steps 40 ... # a lever, from scratch, no repo write
     python -m drafters.dflash.campaign features [--shard N]   # a shard's features, ahead of time
     python -m drafters.dflash.campaign heldout                # held-out loss, acc, offline tau
+    python -m drafters.dflash.campaign grow --layers 3        # more layers, same predictions
 
 What the repository holds (`engine/models/smollm2_drafter/`, the registry's drafter directory):
 
@@ -608,6 +609,27 @@ def heldout_of(
     return trainer.heldout(trainer.store(val_seqs), val_seqs, heldout_anchors)
 
 
+def grow_checkpoint(drafter_dir: Path, layers: int, command: str) -> dict[str, Any]:
+    """Grow the checkpoint in `drafter_dir` to `layers` layers in place (`grow.grow_layers`:
+    the predictions stay the same) and log it in the sittings log as a `grow` stage."""
+    from drafters.dflash.grow import grow_layers
+
+    model, state, vocab = load_checkpoint(drafter_dir)
+    before = state.recipe.layers
+    grown = grow_layers(model, layers)
+    state.recipe.layers = layers
+    record = {
+        "stage": "grow",
+        "command": command,
+        "at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "step": state.step,
+        "labels": state.labels_seen,
+        "layers": [before, layers],
+    }
+    save_checkpoint(drafter_dir, grown, state, vocab, read_sittings(drafter_dir) + [record])
+    return record
+
+
 def apply_retune(recipe: Recipe, changes: dict[str, Any]) -> dict[str, list[Any]]:
     """Set the `RETUNABLE` fields in `changes` on a resumed campaign's recipe; {field: [old,
     new]} for those that changed. Any other field that differs is an error that names it."""
@@ -1009,6 +1031,14 @@ def write_card(drafter_dir: Path, target_name: str) -> Path:
                 f"| {s['at']} | {s['step']} | {s.get('tau_mean', 0):.3f} | {taus} | {kept} |"
             )
             continue
+        if s.get("stage") == "grow":
+            before, after = s["layers"]
+            rows.append(
+                f"| {s['at']} | `{s['command']}`: {before} -> {after} layers, predictions "
+                f"unchanged (new layers' output projections start at zero) | {s['step']} "
+                "| - | - | - | - | - | - |"
+            )
+            continue
         start, end = s.get("heldout_start") or {}, s.get("heldout_end") or {}
         hundred = s.get("heldout_after_100") or {}
         retuned = "".join(f"; {k} {a} -> {b}" for k, (a, b) in s.get("retuned", {}).items())
@@ -1028,8 +1058,12 @@ def write_card(drafter_dir: Path, target_name: str) -> Path:
         chosen.append(f"candidate-set loss (top-{r.top_k} + label + {r.negatives} negatives)")
     if r.distill > 0:
         chosen.append(f"distillation (alpha {r.distill:.2f} on KL to the target's top-{r.top_k})")
+    grown = [s["layers"] for s in sittings if s.get("stage") == "grow"]
     if r.warm_start:
-        chosen.append(f"warm start from the target's top {r.layers} layers")
+        first = grown[0][0] if grown else r.layers
+        chosen.append(f"warm start from the target's top {first} layers")
+    if grown:
+        chosen.append(f"grown to {r.layers} layers (`campaign grow`)")
     if r.ema > 0:
         chosen.append(f"weight averaging (ema {r.ema}; the shipped weights are the average)")
     levers = ", ".join(chosen) or "none (full draft-vocabulary cross-entropy, random init)"
@@ -1182,7 +1216,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "action", choices=("run", "eval", "measure", "features", "speed", "card", "heldout")
+        "action",
+        choices=("run", "eval", "measure", "features", "speed", "card", "heldout", "grow"),
     )
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--drafter-dir", type=Path, default=DEFAULT_DRAFTER_DIR)
@@ -1291,6 +1326,10 @@ def main(argv: list[str] | None = None) -> int:
             on_shard,
         )
         print(json.dumps({"drafter_dir": str(args.drafter_dir), "shard": on_shard, **result}))
+    elif args.action == "grow":
+        if args.layers is None:
+            parser.error("grow needs --layers N (more than the drafter has)")
+        print(json.dumps(grow_checkpoint(args.drafter_dir, args.layers, command)))
     elif args.action == "card":
         print(f"card written to {write_card(args.drafter_dir, args.target)}")
     elif args.action == "speed":

@@ -1,0 +1,55 @@
+"""Grow a trained drafter by layers without changing what it predicts.
+
+A new layer starts as a copy of the drafter's last layer with its two output projections
+(`o_proj`, `down_proj`) at zero. Both sublayers then add nothing to the residual stream, so
+the grown drafter's outputs equal the old one's exactly (block expansion, as in LLaMA Pro),
+and training can use the new capacity from there without losing what the campaign has
+learned. The copied q/k/v, MLP input and norms give it a trained starting point once the
+zeroed projections move off zero (their gradients are non-zero from the first step).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from drafters.dflash.config import DFlashConfig
+from drafters.dflash.model import DFlashDraftModel
+
+# what a new layer adds to the residual stream: zero, so the grown drafter predicts as before
+ZEROED = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight")
+
+
+def grown_config(config: DFlashConfig, layers: int) -> DFlashConfig:
+    """`config` with `layers` layers; new layers take the last layer's attention type."""
+    if layers <= config.num_hidden_layers:
+        raise ValueError(
+            f"growing needs more layers than the drafter's {config.num_hidden_layers}, got {layers}"
+        )
+    grown = copy.deepcopy(config)
+    extra = layers - config.num_hidden_layers
+    grown.num_hidden_layers = layers
+    if grown.layer_types is not None:
+        grown.layer_types = list(grown.layer_types) + [grown.layer_types[-1]] * extra
+    grown.check()
+    return grown
+
+
+def grow_layers(model: DFlashDraftModel, layers: int) -> DFlashDraftModel:
+    """A new drafter with `layers` layers whose outputs equal `model`'s (see the module doc)."""
+    config = grown_config(model.config, layers)
+    grown = DFlashDraftModel(config)
+    weights = dict(tree_flatten(model.parameters()))
+    last = model.config.num_hidden_layers - 1
+    prefix = f"layers.{last}."
+    for index in range(model.config.num_hidden_layers, layers):
+        for name, value in list(weights.items()):
+            if name.startswith(prefix):
+                new_name = f"layers.{index}." + name[len(prefix) :]
+                zeroed = name.endswith(ZEROED)
+                weights[new_name] = mx.zeros_like(value) if zeroed else value
+    grown.load_weights(list(weights.items()), strict=True)
+    mx.eval(grown.parameters())
+    return grown

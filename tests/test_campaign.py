@@ -98,6 +98,23 @@ def _tiny_recipe(**overrides) -> Recipe:
     return Recipe(**fields)
 
 
+def _sitting_args(target_dir: Path, drafter_dir: Path, tmp_path: Path, corpus, **overrides):
+    """`run_sitting` keywords for a tiny test campaign: no timed checkpoints or held-out
+    measures mid-sitting, a per-test feature cache, the given corpus."""
+    fields = dict(
+        target_name=str(target_dir),
+        drafter_dir=drafter_dir,
+        minutes=None,
+        checkpoint_minutes=1e9,
+        heldout_every=0,
+        command="test",
+        cache_root=tmp_path / "cache",
+        corpus=corpus,
+    )
+    fields.update(overrides)
+    return fields
+
+
 def _weights(directory: Path) -> dict[str, np.ndarray]:
     tensors = mx.load(str(directory / campaign.WEIGHTS_FILE))
     return {k: np.array(v.astype(mx.float32)) for k, v in tensors.items()}
@@ -108,16 +125,7 @@ def test_sitting_checkpoints_into_the_directory_and_the_next_one_resumes(tiny, t
     vocab = target.vocab_size
     corpus = (_records(10, vocab), _records(2, vocab, seed=1))
     drafter_dir = tmp_path / "drafter"
-    kwargs = dict(
-        target_name=str(target_dir),
-        drafter_dir=drafter_dir,
-        minutes=None,
-        checkpoint_minutes=1e9,
-        heldout_every=0,
-        command="test",
-        cache_root=tmp_path / "cache",
-        corpus=corpus,
-    )
+    kwargs = _sitting_args(target_dir, drafter_dir, tmp_path, corpus)
     first = campaign.run_sitting(recipe=_tiny_recipe(), max_steps=3, **kwargs)
     assert first["steps"] == 3 and first["labels"] > 0
     state = campaign.read_state(drafter_dir)
@@ -344,16 +352,7 @@ def test_eval_keeps_a_better_checkpoint_and_restores_the_committed_one_otherwise
     repo = tmp_path / "repo"
     drafter_dir = repo / "engine" / "models" / "x_drafter"
     corpus = (_records(6, target.vocab_size), _records(2, target.vocab_size, seed=1))
-    kwargs = dict(
-        target_name=str(target_dir),
-        drafter_dir=drafter_dir,
-        minutes=None,
-        checkpoint_minutes=1e9,
-        heldout_every=0,
-        command="test",
-        cache_root=tmp_path / "cache",
-        corpus=corpus,
-    )
+    kwargs = _sitting_args(target_dir, drafter_dir, tmp_path, corpus)
     campaign.run_sitting(recipe=_tiny_recipe(), max_steps=1, **kwargs)
     taus = iter([2.0, 1.5, 2.5])
     monkeypatch.setattr(campaign, "tau_eval", lambda *a: {"tau_mean": next(taus), "tau": {}})
@@ -430,18 +429,13 @@ def test_card_lists_every_sitting_and_eval(tiny, tmp_path, monkeypatch):
     target, target_dir = tiny
     corpus = (_records(6, target.vocab_size), _records(2, target.vocab_size, seed=1))
     drafter_dir = tmp_path / "d"
-    kwargs = dict(
-        target_name=str(target_dir),
-        drafter_dir=drafter_dir,
-        minutes=None,
-        max_steps=1,
-        checkpoint_minutes=1e9,
-        heldout_every=0,
-        cache_root=tmp_path / "cache",
-        corpus=corpus,
-    )
-    campaign.run_sitting(recipe=_tiny_recipe(), command="first sitting", **kwargs)
-    campaign.run_sitting(recipe=None, command="second sitting", **kwargs)
+    for recipe, command in ((_tiny_recipe(), "first sitting"), (None, "second sitting")):
+        campaign.run_sitting(
+            recipe=recipe,
+            **_sitting_args(
+                target_dir, drafter_dir, tmp_path, corpus, max_steps=1, command=command
+            ),
+        )
     monkeypatch.setattr(campaign, "tau_eval", lambda *a: {"tau_mean": 1.5, "tau": {"chat": 1.5}})
     campaign.run_eval("t", drafter_dir, 1, 8, "eval", repo_root=tmp_path / "no-repo")
     card = campaign.write_card(drafter_dir, "tiny").read_text()
@@ -522,16 +516,8 @@ def test_grow_keeps_the_predictions_and_the_next_sitting_trains_the_new_layer(ti
     vocab = target.vocab_size
     corpus = (_records(6, vocab), _records(2, vocab, seed=1))
     drafter_dir = tmp_path / "d"
-    kwargs = dict(
-        target_name=str(target_dir),
-        drafter_dir=drafter_dir,
-        minutes=None,
-        max_steps=2,
-        checkpoint_minutes=1e9,
-        heldout_every=0,
-        command="sitting",
-        cache_root=tmp_path / "cache",
-        corpus=corpus,
+    kwargs = _sitting_args(
+        target_dir, drafter_dir, tmp_path, corpus, max_steps=2, command="sitting"
     )
     campaign.run_sitting(recipe=_tiny_recipe(), **kwargs)
     sequences = campaign.to_sequences(corpus[1], 768)

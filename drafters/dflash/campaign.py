@@ -609,6 +609,17 @@ def heldout_of(
     return trainer.heldout(trainer.store(val_seqs), val_seqs, heldout_anchors)
 
 
+def log_entry(stage: str, command: str, state: State) -> dict[str, Any]:
+    """The fields every non-sitting entry of the sittings log starts with."""
+    return {
+        "stage": stage,
+        "command": command,
+        "at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "step": state.step,
+        "labels_seen": state.labels_seen,
+    }
+
+
 def grow_checkpoint(drafter_dir: Path, layers: int, command: str) -> dict[str, Any]:
     """Grow the checkpoint in `drafter_dir` to `layers` layers in place (`grow.grow_layers`:
     the predictions stay the same) and log it in the sittings log as a `grow` stage."""
@@ -618,14 +629,7 @@ def grow_checkpoint(drafter_dir: Path, layers: int, command: str) -> dict[str, A
     before = state.recipe.layers
     grown = grow_layers(model, layers)
     state.recipe.layers = layers
-    record = {
-        "stage": "grow",
-        "command": command,
-        "at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "step": state.step,
-        "labels": state.labels_seen,
-        "layers": [before, layers],
-    }
+    record = {**log_entry("grow", command, state), "layers": [before, layers]}
     save_checkpoint(drafter_dir, grown, state, vocab, read_sittings(drafter_dir) + [record])
     return record
 
@@ -929,11 +933,7 @@ def run_eval(
     bar = None if committed is None else float(committed.get("tau_mean", 0.0))
     keep = force or bar is None or result["tau_mean"] >= bar
     entry = {
-        "stage": "eval",
-        "command": command,
-        "at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "step": state.step,
-        "labels_seen": state.labels_seen,
+        **log_entry("eval", command, state),
         **result,
         "committed_tau_mean": bar,
         "kept": keep,

@@ -1,0 +1,29 @@
+# Sourced by the campaign's paired-arm scripts (bench/results/*/campaign-arms*/run_arms.sh).
+# `arm NAME STEPS EDIT [LAYERS]`: a copy of the drafter checkpoint at commit $FROM under
+# /tmp/$ARMS/NAME, its state/config edited by the python snippet EDIT (it sees `st`, `recipe`,
+# `config`), grown to LAYERS layers if given (`campaign grow`), trained by the campaign's own
+# `run --steps STEPS`, then measured on every held-out anchor; results go to $OUT. Pause the
+# live campaign first (kill -STOP <its pid>): arms time their own labels a second.
+cd /work/main
+export PYTHONPATH=/work/main
+PY=/work/main/.venv/bin/python
+mkdir -p "$OUT"
+arm() {
+  local name=$1 steps=$2 edit=$3 grow=${4:-} dir=/tmp/$ARMS/$1
+  rm -rf $dir && mkdir -p $dir && git archive $FROM engine/models/smollm2_drafter | tar -x -C $dir
+  dir=$dir/engine/models/smollm2_drafter
+  $PY - "$dir" "$edit" <<'PYEOF'
+import json, sys
+from pathlib import Path
+d = Path(sys.argv[1]); st = json.loads((d/"training/state.json").read_text()); cf = json.loads((d/"config.json").read_text())
+recipe, config = st["recipe"], cf
+exec(sys.argv[2])
+(d/"training/state.json").write_text(json.dumps(st, indent=1)); (d/"config.json").write_text(json.dumps(cf, indent=1))
+PYEOF
+  [ -n "$grow" ] && $PY -m drafters.dflash.campaign grow --layers $grow --drafter-dir $dir >> $OUT/arm-$name.log 2>&1
+  echo "=== $name: steps $steps; $edit; grow ${grow:-no} $(date +%T)" >> $OUT/arms.log
+  $PY -m drafters.dflash.campaign run --drafter-dir $dir --steps $steps --heldout-every ${EVERY:-0} --heldout-anchors ${ANCH:-16} --checkpoint-minutes 1000 >> $OUT/arm-$name.log 2>&1
+  grep "sitting done" $OUT/arm-$name.log | tail -1 | sed 's/.*sitting done: //' > $OUT/arm-$name.sitting.json
+  $PY -m drafters.dflash.campaign heldout --heldout-anchors 0 --drafter-dir $dir 2>/dev/null | tail -1 | sed "s/^{/{\"arm\": \"$name\", /" | tee -a $OUT/heldout.jsonl
+  echo "$name done $(date +%T)" >> $OUT/arms.log
+}

@@ -128,6 +128,7 @@ def test_sitting_checkpoints_into_the_directory_and_the_next_one_resumes(tiny, t
     kwargs = _sitting_args(target_dir, drafter_dir, tmp_path, corpus)
     first = campaign.run_sitting(recipe=_tiny_recipe(), max_steps=3, **kwargs)
     assert first["steps"] == 3 and first["labels"] > 0
+    assert (first["corpus_records"], first["heldout_records"]) == (10, 2)
     state = campaign.read_state(drafter_dir)
     # 10 train records in shards of 4, 4 and 2, one pass each; 2 records a step
     assert state.step == 3 and state.sequences_seen == 6

@@ -715,6 +715,7 @@ def run_sitting(
             "recipe": asdict(recipe),
             **({"retuned": retuned} if retuned else {}),
             "corpus_records": len(train_records),
+            "heldout_records": len(val_seqs),  # grows with the corpus: say what tau is over
             "shards": len(shards),
         }
         sittings.append(record)
@@ -1011,7 +1012,7 @@ def tau_projection(sittings: list[dict], state: State) -> list[str]:
 
 SITTINGS_HEADER = (
     "| at (UTC) | command | steps | hours | labels/s | held-out start | after 100 | end / acc "
-    "| offline tau |\n|---|---|---|---:|---:|---:|---:|---:|---:|"
+    "| offline tau start / end |\n|---|---|---|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -1045,6 +1046,8 @@ def write_card(drafter_dir: Path, target_name: str) -> Path:
         if s.get("superseded"):  # a paired arm over the same data was adopted in its place
             retuned += "; superseded by the next row"
         offline = " / ".join(f"{h['tau']:.3f}" if "tau" in h else "-" for h in (start, end))
+        if "heldout_records" in s:  # the held-out slice grows when the corpus does
+            offline += f" ({s['heldout_records']} records)"
         rows.append(
             f"| {s['at']} | `{s['command']}`{retuned} "
             f"| {s.get('step_start', 0)}-{s.get('step_end', '?')} "

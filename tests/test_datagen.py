@@ -14,6 +14,7 @@ from drafters.dflash.prompt_mix import (
     chat_prompts,
     editing_prompts,
     held_out,
+    more_chat_prompts,
 )
 from engine.bundled.pair import bundled_paths
 
@@ -49,6 +50,17 @@ def test_chat_prompts_split_by_text_hash():
         p.text for p in prompts if not held_out(p.text)
     }
     assert not train_texts & {p.text for p in held}
+
+
+def test_second_chat_tier_comes_after_the_first_so_earlier_lists_keep_their_prefix():
+    first = {p.text for p in chat_prompts()}
+    second = {p.text for p in more_chat_prompts()}
+    assert not first & second
+    chat = [p for p in build_prompts("held_out", per_kind=10_000) if p.kind == "chat"]
+    in_first = sum(p.text in first for p in chat)
+    assert 0 < in_first < len(chat)
+    assert all(p.text in first for p in chat[:in_first])
+    assert all(p.text in second for p in chat[in_first:])
 
 
 def test_editing_prompts_carry_the_function_and_plant_real_bugs():

@@ -328,7 +328,169 @@ _CODE_TOPICS = (
 )
 
 
+# A second tier (added 2026-12-06, when the drafter corpus had used up the first): its prompts
+# come after every first-tier one in each list, so the lists a data run or an eval has already
+# taken from keep their prefixes.
+_MORE_TOPICS = (
+    "the Silk Road",
+    "the Vikings",
+    "the Cold War",
+    "the Byzantine Empire",
+    "the Aztecs",
+    "the invention of the telephone",
+    "the steam engine",
+    "the Wright brothers",
+    "Marie Curie",
+    "Isaac Newton",
+    "Ada Lovelace",
+    "Leonardo da Vinci",
+    "the Beatles",
+    "classical music",
+    "opera",
+    "hip hop",
+    "the violin",
+    "learning the guitar",
+    "impressionism",
+    "street art",
+    "architecture",
+    "skyscrapers",
+    "bridges",
+    "tunnels",
+    "trains",
+    "airplanes",
+    "submarines",
+    "rockets",
+    "the International Space Station",
+    "Mars",
+    "Jupiter",
+    "comets",
+    "telescopes",
+    "microscopes",
+    "bacteria",
+    "viruses",
+    "antibiotics",
+    "the brain",
+    "memory",
+    "dreams",
+    "habits",
+    "motivation",
+    "stress",
+    "happiness",
+    "empathy",
+    "leadership",
+    "teamwork",
+    "negotiation",
+    "budgeting",
+    "credit cards",
+    "compound interest",
+    "taxes",
+    "insurance",
+    "starting a small business",
+    "marketing",
+    "customer service",
+    "supply chains",
+    "shipping containers",
+    "the postal service",
+    "libraries",
+    "museums",
+    "national parks",
+    "camping",
+    "hiking",
+    "cycling",
+    "swimming",
+    "football",
+    "basketball",
+    "tennis",
+    "the Tour de France",
+    "knitting",
+    "woodworking",
+    "pottery",
+    "painting with watercolors",
+    "houseplants",
+    "composting",
+    "beekeeping",
+    "chickens",
+    "horses",
+    "octopuses",
+    "sharks",
+    "elephants",
+    "owls",
+    "butterflies",
+    "ants",
+    "spiders",
+    "mushrooms",
+    "trees",
+    "forests",
+    "rivers",
+    "glaciers",
+    "islands",
+    "caves",
+    "tornadoes",
+    "lightning",
+    "fog",
+    "the seasons",
+    "solar panels",
+    "nuclear power",
+    "batteries",
+    "hydrogen fuel",
+    "3D printing",
+    "robots",
+    "self-driving cars",
+    "virtual reality",
+    "blockchain",
+    "quantum computing",
+    "compilers",
+    "operating systems",
+    "computer networks",
+    "encryption",
+    "web browsers",
+    "search engines",
+    "email",
+    "spreadsheets",
+    "functional programming",
+    "object-oriented programming",
+    "code review",
+    "technical debt",
+    "debugging",
+    "APIs",
+    "microservices",
+    "containers",
+    "continuous integration",
+    "graph algorithms",
+    "dynamic programming",
+    "big-O notation",
+    "floating point numbers",
+    "binary numbers",
+    "geometry",
+    "calculus",
+    "logic puzzles",
+    "maps",
+    "time zones",
+    "calendars",
+    "languages of the world",
+    "writing a resume",
+    "studying for exams",
+    "taking notes",
+    "reading more books",
+    "poetry",
+    "mythology",
+    "fairy tales",
+    "science fiction",
+    "chocolate",
+    "tea",
+    "spices",
+    "fermentation",
+    "vegetarian cooking",
+    "breakfast",
+    "picnics",
+    "birthdays",
+    "weddings",
+    "holidays",
+)
+
+
 def chat_prompts() -> list[Prompt]:
+    """The first tier: general instructions (templates x topics), then code questions."""
     prompts = [
         Prompt("chat", t.format(t=topic), chat=True) for t in _CHAT_TEMPLATES for topic in _TOPICS
     ]
@@ -336,6 +498,15 @@ def chat_prompts() -> list[Prompt]:
         Prompt("chat", t.format(t=task), chat=True) for t in _CODE_TASKS for task in _CODE_TOPICS
     ]
     return prompts
+
+
+def more_chat_prompts() -> list[Prompt]:
+    """The second tier: the same templates over `_MORE_TOPICS`."""
+    return [
+        Prompt("chat", t.format(t=topic), chat=True)
+        for t in _CHAT_TEMPLATES
+        for topic in _MORE_TOPICS
+    ]
 
 
 # ----------------------------------------------------------------------------- the mix
@@ -356,6 +527,10 @@ def build_prompts(split: str, per_kind: int, seed: int = 0) -> list[Prompt]:
     by_kind["chat"] = [p for p in chat_prompts() if held_out(p.text) == want_held_out]
     for kind in KINDS:
         random.Random(f"{seed}-{kind}").shuffle(by_kind[kind])
+    second = [p for p in more_chat_prompts() if held_out(p.text) == want_held_out]
+    random.Random(f"{seed}-chat-2").shuffle(second)
+    by_kind["chat"] += second  # after the first tier: earlier lists keep their prefixes
+    for kind in KINDS:
         by_kind[kind] = _dedupe(by_kind[kind])[:per_kind]
     mixed = []
     for i in range(max(len(v) for v in by_kind.values())):

@@ -410,16 +410,8 @@ def test_sigterm_finishes_the_step_saves_and_stops(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(campaign.Trainer, "step", step_then_term)
     previous = signal.getsignal(signal.SIGTERM)
     record = campaign.run_sitting(
-        target_name=str(target_dir),
-        drafter_dir=tmp_path / "d",
         recipe=_tiny_recipe(),
-        minutes=None,
-        max_steps=None,
-        checkpoint_minutes=1e9,
-        heldout_every=0,
-        command="t",
-        cache_root=tmp_path / "cache",
-        corpus=corpus,
+        **_sitting_args(target_dir, tmp_path / "d", tmp_path, corpus, max_steps=None),
     )
     assert record["saved"].startswith("SIGTERM") and record["steps"] == 2
     assert campaign.read_state(tmp_path / "d").step == 2

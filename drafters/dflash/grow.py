@@ -10,7 +10,7 @@ zeroed projections move off zero (their gradients are non-zero from the first st
 
 from __future__ import annotations
 
-import copy
+from dataclasses import replace
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -28,11 +28,13 @@ def grown_config(config: DFlashConfig, layers: int) -> DFlashConfig:
         raise ValueError(
             f"growing needs more layers than the drafter's {config.num_hidden_layers}, got {layers}"
         )
-    grown = copy.deepcopy(config)
     extra = layers - config.num_hidden_layers
-    grown.num_hidden_layers = layers
-    if grown.layer_types is not None:
-        grown.layer_types = list(grown.layer_types) + [grown.layer_types[-1]] * extra
+    types = config.layer_types
+    grown = replace(
+        config,
+        num_hidden_layers=layers,
+        layer_types=None if types is None else list(types) + [types[-1]] * extra,
+    )
     grown.check()
     return grown
 
@@ -42,14 +44,12 @@ def grow_layers(model: DFlashDraftModel, layers: int) -> DFlashDraftModel:
     config = grown_config(model.config, layers)
     grown = DFlashDraftModel(config)
     weights = dict(tree_flatten(model.parameters()))
-    last = model.config.num_hidden_layers - 1
-    prefix = f"layers.{last}."
+    prefix = f"layers.{model.config.num_hidden_layers - 1}."
+    last = {name[len(prefix) :]: v for name, v in weights.items() if name.startswith(prefix)}
     for index in range(model.config.num_hidden_layers, layers):
-        for name, value in list(weights.items()):
-            if name.startswith(prefix):
-                new_name = f"layers.{index}." + name[len(prefix) :]
-                zeroed = name.endswith(ZEROED)
-                weights[new_name] = mx.zeros_like(value) if zeroed else value
+        for part, value in last.items():
+            zeroed = part.endswith(ZEROED)
+            weights[f"layers.{index}.{part}"] = mx.zeros_like(value) if zeroed else value
     grown.load_weights(list(weights.items()), strict=True)
     mx.eval(grown.parameters())
     return grown

@@ -18,8 +18,19 @@ from mlx.utils import tree_flatten
 from drafters.dflash import campaign
 from drafters.dflash.campaign import Cursor, Recipe
 from drafters.dflash.features import FeatureStore
-from drafters.dflash.levers import lever_batch, lever_loss, sample_negatives
-from drafters.dflash.train import init_drafter, make_blocks, sample_anchors
+from drafters.dflash.levers import (
+    greedy_chain_labels,
+    lever_batch,
+    lever_loss,
+    sample_negatives,
+)
+from drafters.dflash.train import (
+    TrainSequence,
+    init_drafter,
+    make_blocks,
+    sample_anchors,
+    shared_prefix_lengths,
+)
 from drafters.dflash.vocab import DraftHead
 from drafters.dflash.warm_start import warm_start
 from engine.bundled.pair import bundled_paths
@@ -276,6 +287,87 @@ def test_full_head_loss_without_distillation_is_the_trainers_cross_entropy(tiny,
     ours, _ = lever_loss(hidden, head.weight, batch, candidates=False, distill=0.0)
     theirs, _ = block_loss(model, target, store.get(0), restrict_labels(blocks, head), head)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+
+
+# ------------------------------------------------------------------ prompt anchors
+def test_greedy_chain_labels_follow_the_targets_argmax_until_the_text_leaves_it():
+    #            0  1  2  3  4  5  6  7
+    tokens = np.array([5, 6, 7, 8, 9, 10, 11, 12], np.int32)
+    top1 = np.array([6, 7, 40, 9, 10, 11, 12, 0], np.int32)  # the text leaves it at token 3
+    blocks = make_blocks(tokens, np.array([0, 3, 5]), 4, 2, gamma=2.0)
+    chain = greedy_chain_labels(blocks, tokens, top1)
+    # anchor 0: rows 1, 2 follow (6, 7); row 3's label is the argmax 40, and counts, since
+    # tokens 1 and 2 were the chain; anchor 3: all greedy; anchor 5: row 3 is past the end
+    np.testing.assert_array_equal(chain.labels, [[6, 7, 40], [9, 10, 11], [11, 12, 0]])
+    np.testing.assert_array_equal(chain.weights > 0, [[1, 1, 1], [1, 1, 1], [1, 1, 0]])
+    blocks = make_blocks(tokens, np.array([1]), 4, 2, gamma=2.0)
+    chain = greedy_chain_labels(blocks, tokens, top1)  # row 2 comes after token 3 != 40
+    np.testing.assert_array_equal(chain.labels, [[7, 40, 0]])
+    np.testing.assert_array_equal(chain.weights > 0, [[1, 1, 0]])
+    np.testing.assert_array_equal(chain.weights[0, :2], blocks.weights[0, :2])
+
+
+def test_shared_prefix_is_what_a_sequence_shares_with_its_group():
+    seqs = [
+        TrainSequence(np.array(t, np.int32), 2)
+        for t in ([1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 3, 4], [7, 2, 3], [8, 8])
+    ]
+    # the three starting with 1 share [1, 2, 3]; 7 and 8 are alone in their groups
+    np.testing.assert_array_equal(shared_prefix_lengths(seqs), [3, 3, 3, 0, 0])
+    assert len(shared_prefix_lengths([])) == 0
+
+
+def _greedy_continuation(target: TargetAdapter, prompt: list[int], steps: int) -> np.ndarray:
+    tokens = list(prompt)
+    for _ in range(steps):
+        logits, _ = target(mx.array(tokens)[None])
+        tokens.append(int(mx.argmax(logits[0, -1]).item()))
+    return np.array(tokens, np.int32)
+
+
+def test_chain_labels_equal_the_text_on_a_real_greedy_continuation(tiny, tmp_path):
+    """On the target's own greedy continuation the feature store's top-1 is the next token, so
+    chain labels change nothing there; in the prompt they are the target's argmax."""
+    target, _ = tiny
+    prompt = np.random.default_rng(11).integers(3, target.vocab_size, size=12).tolist()
+    tokens = _greedy_continuation(target, prompt, 12)
+    store = FeatureStore.build(target, [tokens], tmp_path, "tiny", top_k=4)
+    top1 = store.top(0)[0][:, 0]
+    response = np.arange(len(prompt) - 1, len(tokens) - 1)
+    blocks = make_blocks(tokens, response, 4, 2, gamma=2.0)
+    chain = greedy_chain_labels(blocks, tokens, top1)
+    np.testing.assert_array_equal(chain.labels, blocks.labels)
+    np.testing.assert_array_equal(chain.weights, blocks.weights)
+    in_prompt = make_blocks(tokens, np.arange(0, len(prompt) - 1), 4, 2, gamma=2.0)
+    chain = greedy_chain_labels(in_prompt, tokens, top1)
+    logits, _ = target(mx.array(tokens)[None])
+    argmax = np.array(mx.argmax(logits[0], axis=-1))
+    np.testing.assert_array_equal(chain.labels[:, 0], argmax[: len(prompt) - 1])
+    assert (chain.weights[:, 0] > 0).all()
+
+
+def test_a_prompt_anchor_sitting_trains_on_prompt_positions(tiny, tmp_path, monkeypatch):
+    target, target_dir = tiny
+    vocab = target.vocab_size
+    records = _records(8, vocab)
+    for r in records:  # a fixed "system prompt" of 3 tokens in front of every record
+        r["tokens"] = [1, 8, 9] + r["tokens"]
+        r["prompt_tokens"] += 3
+    firsts: list[int] = []
+    real_sample = campaign.sample_anchors
+
+    def spy(seq_len, num_anchors, rng, first=0):
+        firsts.append(first)
+        return real_sample(seq_len, num_anchors, rng, first)
+
+    monkeypatch.setattr(campaign, "sample_anchors", spy)
+    drafter_dir = tmp_path / "drafter"
+    kwargs = _sitting_args(target_dir, drafter_dir, tmp_path, (records, records[:2]))
+    result = campaign.run_sitting(recipe=_tiny_recipe(prompt_anchors=True), max_steps=2, **kwargs)
+    assert result["steps"] == 2 and result["labels"] > 0
+    assert set(firsts) == {3}  # after the shared prefix, not after each prompt (8)
+    state = campaign.read_state(drafter_dir)
+    assert state.recipe.prompt_anchors
 
 
 # ------------------------------------------------------------------ warm start

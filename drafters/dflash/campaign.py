@@ -63,7 +63,12 @@ from mlx.utils import tree_flatten, tree_map
 from drafters.dflash.checkpoint import load_dflash_model, read_config
 from drafters.dflash.corpus import corpus_dir, read_parts
 from drafters.dflash.features import FeatureStore
-from drafters.dflash.levers import lever_batch, lever_loss, sample_negatives
+from drafters.dflash.levers import (
+    greedy_chain_labels,
+    lever_batch,
+    lever_loss,
+    sample_negatives,
+)
 from drafters.dflash.model import DFlashDraftModel
 from drafters.dflash.train import (
     BlockBatch,
@@ -75,6 +80,7 @@ from drafters.dflash.train import (
     init_drafter,
     make_blocks,
     sample_anchors,
+    shared_prefix_lengths,
 )
 from drafters.dflash.vocab import D2T_KEY, DraftHead, choose_draft_vocab, read_draft_vocab, to_d2t
 from engine.step.target import TargetAdapter
@@ -121,6 +127,8 @@ class Recipe:
     warm_start: bool = False  # lever (iii): drafter layers from the target's top layers
     gamma: float = 0.0  # block row j's loss weight exp(-(j-1)/gamma); 0: the paper's for the block
     ema: float = 0.0  # weight averaging: ship/measure avg <- ema*avg + (1-ema)*w each step; 0: off
+    # lever (iv): anchors in the prompts too, labelled by the target's own argmax chain
+    prompt_anchors: bool = False
     seed: int = 0
 
     @classmethod
@@ -133,7 +141,7 @@ class Recipe:
 # (layers, block size, draft vocabulary, mask token), the data cut (shards, max_len, top-k) or
 # the schedule's shape, and is kept from the campaign's start.
 RETUNABLE = ("lr", "gamma", "ema", "num_anchors", "batch_size", "passes_per_shard",
-             "negatives", "distill", "candidates")  # fmt: skip
+             "negatives", "distill", "candidates", "prompt_anchors")  # fmt: skip
 
 
 @dataclass
@@ -236,10 +244,15 @@ def shard_slices(count: int, shard_records: int) -> list[range]:
 
 
 def to_sequences(records: list[dict[str, Any]], max_len: int) -> list[TrainSequence]:
-    return [
+    """Records as training sequences, each knowing the prefix it shares with the rest (where
+    prompt anchors start)."""
+    sequences = [
         TrainSequence(np.asarray(r["tokens"][:max_len], np.int32), int(r["prompt_tokens"]))
         for r in records
     ]
+    for sequence, shared in zip(sequences, shared_prefix_lengths(sequences)):
+        sequence.shared_prefix = int(shared)
+    return sequences
 
 
 # =================================================================== repository checkpoint
@@ -361,6 +374,14 @@ class Trainer:
         # (raw weights are not kept; they would double every checkpoint commit).
         self.average = tree_map(mx.array, model.parameters()) if self.recipe.ema > 0 else None
 
+    def first_anchor(self, sequence: TrainSequence) -> int:
+        """Where a training sequence's anchors may start: its continuation, or with
+        `prompt_anchors` right after the prefix it shares with its group (a chat template's
+        system prompt)."""
+        if self.recipe.prompt_anchors:
+            return sequence.shared_prefix
+        return max(sequence.prompt_tokens - 1, 0)
+
     def shipped(self) -> dict[str, mx.array]:
         """The weights a checkpoint holds and the held-out measure scores: the average, if any."""
         return dict(
@@ -389,10 +410,15 @@ class Trainer:
         sequence: TrainSequence,
         anchors: np.ndarray,
         rng: np.random.Generator | None,
+        chain_labels: bool = False,
     ) -> tuple[BlockBatch, Any]:
+        """Blocks at `anchors` and their lever batch; `chain_labels`: labelled by the target's
+        greedy chain (`greedy_chain_labels`), which prompt anchors need."""
         r = self.recipe
         blocks = make_blocks(sequence.tokens, anchors, r.block_size, r.mask_token_id, self.gamma)
         top_ids, top_logp = store.top(index)
+        if chain_labels:
+            blocks = greedy_chain_labels(blocks, sequence.tokens, top_ids[:, 0])
         negatives = None
         if r.candidates and r.negatives and rng is not None:
             negatives = sample_negatives(self.head_weight.shape[0], r.negatives, rng)
@@ -408,11 +434,11 @@ class Trainer:
             rng = np.random.default_rng([r.seed, self.state.step, k])
             sequence = sequences[index]
             anchors = sample_anchors(
-                len(sequence.tokens), r.num_anchors, rng, max(sequence.prompt_tokens - 1, 0)
+                len(sequence.tokens), r.num_anchors, rng, self.first_anchor(sequence)
             )
             if len(anchors) == 0:
                 continue
-            blocks, batch = self.blocks_of(store, index, sequence, anchors, rng)
+            blocks, batch = self.blocks_of(store, index, sequence, anchors, rng, r.prompt_anchors)
             (loss, acc), grads = self._grad(
                 store.get(index), blocks, batch, r.candidates, r.distill
             )
@@ -1205,6 +1231,7 @@ def _recipe_args(args: argparse.Namespace) -> dict[str, Any]:
         "gamma",
         "ema",
         "warmup_steps",
+        "prompt_anchors",
     ):
         value = getattr(args, name, None)
         if value is not None:
@@ -1242,6 +1269,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--negatives", type=int)
     parser.add_argument("--distill", type=float)
     parser.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument(
+        "--prompt-anchors",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="anchors in the prompts too, labelled by the target's argmax chain",
+    )
     parser.add_argument("--lr", type=float)
     parser.add_argument("--shard-records", type=int)
     parser.add_argument("--passes-per-shard", type=int)

@@ -85,6 +85,31 @@ def lever_batch(
     )
 
 
+def greedy_chain_labels(blocks: BlockBatch, tokens: np.ndarray, top1: np.ndarray) -> BlockBatch:
+    """`blocks` relabelled by the target's own greedy chain, so an anchor may sit anywhere,
+    the prompt included, not only in the target's greedy continuation.
+
+    top1: [S] the target's argmax after each position (the feature store's top-k, column 0).
+    Block row j of anchor a is labelled top1[a + j - 1], the token greedy decoding would emit
+    there, and counts only while the text before it is that chain (tokens a+1 .. a+j-1 each
+    the target's argmax): past a divergence the target's prediction is for a context the
+    drafter, which sees only mask tokens there, cannot know. Row 1 always counts. On the
+    target's greedy continuation this changes nothing (its tokens are the chain).
+    """
+    seq_len = len(tokens)
+    rows = blocks.labels.shape[1]
+    positions = blocks.anchors[:, None] + np.arange(1, rows + 1)[None, :]  # label positions
+    clipped = np.minimum(positions, seq_len - 1)
+    inside = positions < seq_len
+    follows = (tokens[clipped] == top1[clipped - 1]) & inside  # text token == greedy token
+    # row j counts when rows 1..j-1 followed the chain
+    chain = np.cumprod(np.concatenate([np.ones_like(follows[:, :1]), follows[:, :-1]], 1), 1)
+    keep = inside & chain.astype(bool)
+    labels = np.where(keep, top1[clipped - 1], 0).astype(np.int32)
+    weights = np.where(keep, blocks.weights, 0.0).astype(np.float32)
+    return BlockBatch(blocks.block_ids, blocks.anchors, labels, weights)
+
+
 def sample_negatives(vocab: int, count: int, rng: np.random.Generator) -> np.ndarray:
     """`count` distinct draft indices, uniformly (shared by a micro-step's rows)."""
     return np.sort(rng.choice(vocab, size=min(count, vocab), replace=False)).astype(np.int32)

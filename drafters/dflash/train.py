@@ -33,7 +33,7 @@ import math
 import os
 import shutil
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,6 +194,29 @@ def sample_anchors(
     candidates = np.arange(max(first, 0), seq_len - 1)
     count = min(num_anchors, len(candidates))
     return np.sort(rng.choice(candidates, size=count, replace=False)).astype(np.int64)
+
+
+def shared_prefix_lengths(sequences: Sequence[TrainSequence]) -> np.ndarray:
+    """Per sequence, the tokens it shares with every other sequence that starts with the same
+    token (a chat template's fixed system prompt; 0 for a sequence alone in its group):
+    anchors there teach nothing new, the drafter would see the same few contexts again and
+    again."""
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(sequences):
+        if len(s.tokens):
+            groups.setdefault(int(s.tokens[0]), []).append(i)
+    out = np.zeros(len(sequences), np.int64)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        first = sequences[members[0]].tokens
+        length = min(len(sequences[i].tokens) for i in members)
+        for i in members[1:]:
+            differs = np.nonzero(sequences[i].tokens[:length] != first[:length])[0]
+            if len(differs):
+                length = int(differs[0])
+        out[members] = length
+    return out
 
 
 @dataclass
@@ -357,6 +380,7 @@ def block_loss(
 class TrainSequence:
     tokens: np.ndarray  # [S] int32, prompt + continuation
     prompt_tokens: int  # how many leading tokens are the prompt
+    shared_prefix: int = 0  # leading tokens shared with its group (`shared_prefix_lengths`)
 
 
 def read_prompts(path: str | Path) -> list[str]:

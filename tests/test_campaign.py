@@ -366,8 +366,8 @@ def test_a_prompt_anchor_sitting_trains_on_prompt_positions(tiny, tmp_path, monk
     result = campaign.run_sitting(recipe=_tiny_recipe(prompt_anchors=True), max_steps=2, **kwargs)
     assert result["steps"] == 2 and result["labels"] > 0
     assert set(firsts) == {3}  # after the shared prefix, not after each prompt (8)
-    state = campaign.read_state(drafter_dir)
-    assert state.recipe.prompt_anchors
+    assert campaign.read_state(drafter_dir).recipe.prompt_anchors
+    assert "prompt anchors" in campaign.write_card(drafter_dir, "tiny").read_text()
 
 
 # ------------------------------------------------------------------ warm start
@@ -527,6 +527,7 @@ def test_card_lists_every_sitting_and_eval(tiny, tmp_path, monkeypatch):
     assert "`first sitting`" in card and "`second sitting`" in card
     assert "| 2 | 1.500 | chat 1.50 | kept |" in card
     assert "candidate-set loss" in card and "warm start" not in card
+    assert "prompt anchors" not in card
 
 
 def test_tau_projection_fits_tau_against_log_labels():

@@ -1095,6 +1095,8 @@ def write_card(drafter_dir: Path, target_name: str) -> Path:
         chosen.append(f"grown to {r.layers} layers (`campaign grow`)")
     if r.ema > 0:
         chosen.append(f"weight averaging (ema {r.ema}; the shipped weights are the average)")
+    if r.prompt_anchors:
+        chosen.append("prompt anchors (labelled by the target's argmax chain)")
     levers = ", ".join(chosen) or "none (full draft-vocabulary cross-entropy, random init)"
     gamma = r.gamma or default_gamma(r.block_size)
     last = state.heldout or {}

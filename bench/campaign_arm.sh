@@ -1,5 +1,5 @@
 # Sourced by the campaign's paired-arm scripts (bench/results/*/campaign-arms*/run_arms.sh).
-# `arm NAME STEPS EDIT [LAYERS]`: a copy of the drafter checkpoint at commit $FROM under
+# `arm NAME STEPS EDIT [LAYERS]`: a copy of the drafter checkpoint at commit (or directory) $FROM under
 # /tmp/$ARMS/NAME, its state/config edited by the python snippet EDIT (it sees `st`, `recipe`,
 # `config`), grown to LAYERS layers if given (`campaign grow`), trained by the campaign's own
 # `run --steps STEPS`, then measured on every held-out anchor; results go to $OUT. Pause the
@@ -10,7 +10,12 @@ PY=/work/main/.venv/bin/python
 mkdir -p "$OUT"
 arm() {
   local name=$1 steps=$2 edit=$3 grow=${4:-} dir=/tmp/$ARMS/$1
-  rm -rf $dir && mkdir -p $dir && git archive $FROM engine/models/smollm2_drafter | tar -x -C $dir
+  rm -rf $dir && mkdir -p $dir
+  if [ -d "$FROM" ]; then  # a checkpoint directory (a paused campaign's, say) instead of a commit
+    mkdir -p $dir/engine/models && cp -r "$FROM" $dir/engine/models/smollm2_drafter
+  else
+    git archive $FROM engine/models/smollm2_drafter | tar -x -C $dir
+  fi
   dir=$dir/engine/models/smollm2_drafter
   $PY - "$dir" "$edit" <<'PYEOF'
 import json, sys

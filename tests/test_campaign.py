@@ -370,6 +370,33 @@ def test_a_prompt_anchor_sitting_trains_on_prompt_positions(tiny, tmp_path, monk
     assert "prompt anchors" in campaign.write_card(drafter_dir, "tiny").read_text()
 
 
+def test_short_training_blocks_train_and_the_measure_keeps_the_models_block(
+    tiny, tmp_path, monkeypatch
+):
+    target, target_dir = tiny
+    corpus = (_records(6, target.vocab_size), _records(2, target.vocab_size, seed=1))
+    widths: list[int] = []
+    real_make_blocks = campaign.make_blocks
+
+    def spy(tokens, anchors, block_size, mask_token_id, gamma):
+        widths.append(block_size)
+        return real_make_blocks(tokens, anchors, block_size, mask_token_id, gamma)
+
+    monkeypatch.setattr(campaign, "make_blocks", spy)
+    kwargs = _sitting_args(target_dir, tmp_path / "d", tmp_path, corpus)
+    result = campaign.run_sitting(recipe=_tiny_recipe(train_block=2), max_steps=2, **kwargs)
+    assert result["steps"] == 2 and result["labels"] > 0
+    assert 2 in widths and 4 in widths  # training blocks of 2; held-out measure at the model's 4
+    assert len(result["heldout_end"]["acc_by_position"]) == 3
+    assert "training blocks of 2 rows" in campaign.write_card(tmp_path / "d", "tiny").read_text()
+    with pytest.raises(ValueError, match="train_block"):
+        campaign.run_sitting(
+            recipe=_tiny_recipe(train_block=5),
+            max_steps=1,
+            **kwargs | {"drafter_dir": tmp_path / "d2"},
+        )
+
+
 # ------------------------------------------------------------------ warm start
 def _heldout_ce(model, target, tokens, block_size, mask_token_id) -> float:
     from drafters.dflash.train import block_loss, target_features

@@ -129,6 +129,10 @@ class Recipe:
     ema: float = 0.0  # weight averaging: ship/measure avg <- ema*avg + (1-ema)*w each step; 0: off
     # lever (iv): anchors in the prompts too, labelled by the target's own argmax chain
     prompt_anchors: bool = False
+    # lever (v): rows of a training block (anchor + masks); 0: block_size. Inference truncates
+    # the block to the draft depth, so a short block is what a depth-3 draft runs, and it
+    # buys more anchors for the same rows. The model keeps block_size (deeper drafts work).
+    train_block: int = 0
     seed: int = 0
 
     @classmethod
@@ -141,7 +145,7 @@ class Recipe:
 # (layers, block size, draft vocabulary, mask token), the data cut (shards, max_len, top-k) or
 # the schedule's shape, and is kept from the campaign's start.
 RETUNABLE = ("lr", "gamma", "ema", "num_anchors", "batch_size", "passes_per_shard",
-             "negatives", "distill", "candidates", "prompt_anchors")  # fmt: skip
+             "negatives", "distill", "candidates", "prompt_anchors", "train_block")  # fmt: skip
 
 
 @dataclass
@@ -366,6 +370,10 @@ class Trainer:
         mx.eval(self.head_weight)
         self.cache_root = cache_root
         self.gamma = self.recipe.gamma or default_gamma(self.recipe.block_size)
+        if self.recipe.train_block and not 2 <= self.recipe.train_block <= self.recipe.block_size:
+            raise ValueError(
+                f"train_block {self.recipe.train_block} must lie in [2, {self.recipe.block_size}]"
+            )
         self.optimizer = optim.AdamW(
             learning_rate=self.recipe.lr, weight_decay=self.recipe.weight_decay
         )
@@ -411,11 +419,14 @@ class Trainer:
         anchors: np.ndarray,
         rng: np.random.Generator | None,
         chain_labels: bool = False,
+        block_size: int | None = None,
     ) -> tuple[BlockBatch, Any]:
-        """Blocks at `anchors` and their lever batch; `chain_labels`: labelled by the target's
-        greedy chain (`greedy_chain_labels`), which prompt anchors need."""
+        """Blocks of `block_size` rows (default: the model's) at `anchors` and their lever
+        batch; `chain_labels`: labelled by the target's greedy chain (`greedy_chain_labels`),
+        which prompt anchors need."""
         r = self.recipe
-        blocks = make_blocks(sequence.tokens, anchors, r.block_size, r.mask_token_id, self.gamma)
+        rows = block_size or r.block_size
+        blocks = make_blocks(sequence.tokens, anchors, rows, r.mask_token_id, self.gamma)
         top_ids, top_logp = store.top(index)
         if chain_labels:
             blocks = greedy_chain_labels(blocks, sequence.tokens, top_ids[:, 0])
@@ -438,7 +449,9 @@ class Trainer:
             )
             if len(anchors) == 0:
                 continue
-            blocks, batch = self.blocks_of(store, index, sequence, anchors, rng, r.prompt_anchors)
+            blocks, batch = self.blocks_of(
+                store, index, sequence, anchors, rng, r.prompt_anchors, r.train_block or None
+            )
             (loss, acc), grads = self._grad(
                 store.get(index), blocks, batch, r.candidates, r.distill
             )
@@ -1097,6 +1110,8 @@ def write_card(drafter_dir: Path, target_name: str) -> Path:
         chosen.append(f"weight averaging (ema {r.ema}; the shipped weights are the average)")
     if r.prompt_anchors:
         chosen.append("prompt anchors (labelled by the target's argmax chain)")
+    if r.train_block and r.train_block != r.block_size:
+        chosen.append(f"training blocks of {r.train_block} rows")
     levers = ", ".join(chosen) or "none (full draft-vocabulary cross-entropy, random init)"
     gamma = r.gamma or default_gamma(r.block_size)
     last = state.heldout or {}
@@ -1234,6 +1249,7 @@ def _recipe_args(args: argparse.Namespace) -> dict[str, Any]:
         "ema",
         "warmup_steps",
         "prompt_anchors",
+        "train_block",
     ):
         value = getattr(args, name, None)
         if value is not None:
@@ -1271,6 +1287,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--negatives", type=int)
     parser.add_argument("--distill", type=float)
     parser.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument(
+        "--train-block",
+        type=int,
+        help="rows of a training block, anchor included (default: the model's block size)",
+    )
     parser.add_argument(
         "--prompt-anchors",
         action=argparse.BooleanOptionalAction,

@@ -435,6 +435,21 @@ class Trainer:
             negatives = sample_negatives(self.head_weight.shape[0], r.negatives, rng)
         return blocks, lever_batch(blocks, top_ids, top_logp, self.index_of, negatives)
 
+    def training_blocks(
+        self, store: FeatureStore, index: int, sequence: TrainSequence, rng: np.random.Generator
+    ) -> tuple[BlockBatch, Any] | None:
+        """A training micro-step's blocks as the recipe draws them (fresh anchors, where they
+        may start, their labels, the training block's rows); None when there is no anchor."""
+        r = self.recipe
+        anchors = sample_anchors(
+            len(sequence.tokens), r.num_anchors, rng, self.first_anchor(sequence)
+        )
+        if len(anchors) == 0:
+            return None
+        return self.blocks_of(
+            store, index, sequence, anchors, rng, r.prompt_anchors, r.train_block or None
+        )
+
     def step(
         self, store: FeatureStore, members: list[int], sequences: list[TrainSequence], lr: float
     ) -> tuple[float, float, float]:
@@ -443,15 +458,10 @@ class Trainer:
         grads_sum, losses, accs, labels = None, [], [], 0.0
         for k, index in enumerate(members):
             rng = np.random.default_rng([r.seed, self.state.step, k])
-            sequence = sequences[index]
-            anchors = sample_anchors(
-                len(sequence.tokens), r.num_anchors, rng, self.first_anchor(sequence)
-            )
-            if len(anchors) == 0:
+            made = self.training_blocks(store, index, sequences[index], rng)
+            if made is None:
                 continue
-            blocks, batch = self.blocks_of(
-                store, index, sequence, anchors, rng, r.prompt_anchors, r.train_block or None
-            )
+            blocks, batch = made
             (loss, acc), grads = self._grad(
                 store.get(index), blocks, batch, r.candidates, r.distill
             )
@@ -1195,12 +1205,11 @@ def loss_speed(target_name: str, recipe: Recipe, rounds: int) -> dict[str, Any]:
     for r in range(rounds + 1):  # round 0 warms every arm up and is not counted
         index = r % len(shard)
         rng = np.random.default_rng([recipe.seed, r])
-        sequence = shard[index]
-        anchors = sample_anchors(
-            len(sequence.tokens), recipe.num_anchors, rng, max(sequence.prompt_tokens - 1, 0)
-        )
         recipe.candidates = True  # negatives are sampled; the full arms ignore them
-        blocks, batch = trainer.blocks_of(store, index, sequence, anchors, rng)
+        made = trainer.training_blocks(store, index, shard[index], rng)
+        if made is None:
+            continue
+        blocks, batch = made
         features = store.get(index)
         mx.eval(features)
         if r:

@@ -2,8 +2,12 @@
 the arm; the live sittings log keeps the campaign's own short sitting (marked superseded) and
 gains the arm's two sittings, annotated with what they changed.
 Usage: adopt_legs.py ARM_DIR LIVE_DIR COMMITTED_SITTINGS_COUNT NOTE"""
-import json, shutil, sys
+
+import json
+import shutil
+import sys
 from pathlib import Path
+
 arm, live, base_count, note = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 live_log = json.loads((live / "training/sittings.json").read_text())
 arm_log = json.loads((arm / "training/sittings.json").read_text())

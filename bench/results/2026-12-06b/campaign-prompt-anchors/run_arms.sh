@@ -8,13 +8,9 @@ set -u
 OUT=${OUT:-/work/notes/arms3} FROM=${FROM:-b8837f6} ARMS=arms3
 . /work/main/bench/campaign_arm.sh
 STEPS=${STEPS:-400}
-more() {  # train the existing arm $1 STEPS more steps, then measure it again
-  local name=$1 dir=/tmp/$ARMS/$1/engine/models/smollm2_drafter
-  echo "=== $name: $STEPS more steps $(date +%T)" >> $OUT/arms.log
-  $PY -m drafters.dflash.campaign run --drafter-dir $dir --steps $STEPS --heldout-every 0 --heldout-anchors 16 --checkpoint-minutes 1000 >> $OUT/arm-$name-2.log 2>&1
-  grep "sitting done" $OUT/arm-$name-2.log | tail -1 | sed 's/.*sitting done: //' > $OUT/arm-$name-2.sitting.json
-  $PY -m drafters.dflash.campaign heldout --heldout-anchors 0 --drafter-dir $dir 2>/dev/null | tail -1 | sed "s/^{/{\"arm\": \"$name-2\", /" | tee -a $OUT/heldout.jsonl
-  echo "$name-2 done $(date +%T)" >> $OUT/arms.log
+more() {  # train the existing arm $1 STEPS more steps, then measure it again (as "$1-2")
+  echo "=== $1: $STEPS more steps $(date +%T)" >> $OUT/arms.log
+  train_measure $1-2 /tmp/$ARMS/$1/engine/models/smollm2_drafter $STEPS
 }
 for a in "$@"; do
   [ -n "${CONTINUE:-}" ] && { more $a; continue; }

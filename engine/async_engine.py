@@ -107,7 +107,8 @@ class AsyncEngine:
         # Called on the loop thread after every step (tests check invariants, metrics record).
         self.step_hooks: list[Callable[[StepResult], None]] = []
         # Distributed mode: what stopped the engine for good (a rank lost), and who to tell
-        # (the server exits non-zero).
+        # (the server exits non-zero). The process must then end with `os._exit`: the MLX
+        # thread may never leave its collective, and the interpreter's exit joins it.
         self.failure: BaseException | None = None
         self.failure_hooks: list[Callable[[BaseException], None]] = []
 

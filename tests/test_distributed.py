@@ -382,6 +382,38 @@ def test_a_rank_that_stops_answering_trips_the_rank_timeout():
         server.stop()
 
 
+def test_a_rank_lost_during_a_drain_still_ends_rank_0_non_zero():
+    """mlx.launch sends SIGTERM to rank 0 as soon as another rank dies, so rank 0 is often
+    draining when its step fails. The drain then ends at once and uvicorn returns before the
+    delayed exit runs, while the MLX thread is still inside a collective no rank will finish:
+    an ordinary interpreter exit would join that thread forever."""
+    server = LaunchedServer("--target", str(TARGET), "--parallel", "tensor",
+                            "--num-speculative-tokens", "0", "--rank-timeout", "4")  # fmt: skip
+    leader = int(re.search(r"rank 0 pid (\d+)", server.text()).group(1))
+    follower = server.follower_pid()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(model="target", prompt="def add(a, b):",
+                                           max_tokens=4000, temperature=0, stream=True)  # fmt: skip
+        with pytest.raises(openai.APIError):
+            for count, _ in enumerate(stream):
+                if count == 5:
+                    os.kill(follower, signal.SIGSTOP)  # the step never finishes on rank 0
+                    os.kill(leader, signal.SIGTERM)  # as mlx.launch does
+                    stopped_at = time.monotonic()
+        deadline = stopped_at + 30
+        while time.monotonic() < deadline and "rank 0 exited with code 1" not in server.text():
+            time.sleep(0.2)
+        log = server.text()
+        assert "rank 0 exited with code 1" in log, log[-3000:]
+    finally:
+        try:
+            os.kill(follower, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        server.stop()
+
+
 def test_a_target_the_ranks_cannot_shard_fails_every_rank_with_the_reason():
     from engine.models.pull import pull
     from engine.models.registry import DEFAULT_MODEL

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import hmac
 import logging
 import os
@@ -48,6 +49,8 @@ from engine.http.logs import install_http_log_filters
 from metrics import HTTPMetrics
 
 log = logging.getLogger("flashbatch.server")
+# Seconds past the failure exit's delay after which faulthandler ends the process itself.
+FAILURE_EXIT_BACKSTOP_S = 10.0
 
 
 @dataclass
@@ -125,15 +128,15 @@ class FlashbatchServer:
         """The engine stopped for good (distributed mode: a rank lost). The requests in flight
         have their 503s or error events by now; give them a moment to leave, then exit
         non-zero at once: the MLX thread may be stuck in a collective no rank will finish,
-        so an orderly shutdown could hang."""
+        so an orderly shutdown could hang. Should uvicorn return first (a drain was under
+        way), `serve` leaves the same way; should the loop never run the exit, faulthandler's
+        own thread, which needs neither the loop nor the GIL, prints every thread's stack
+        and exits."""
         self.draining = True
         log.error("exiting (status 1): %s", exc)
-
-        def leave() -> None:
-            logging.shutdown()
-            os._exit(1)
-
-        asyncio.get_running_loop().call_later(self.settings.failure_exit_delay, leave)
+        delay = self.settings.failure_exit_delay
+        asyncio.get_running_loop().call_later(delay, leave_now, 1)
+        faulthandler.dump_traceback_later(delay + FAILURE_EXIT_BACKSTOP_S, exit=True)
 
     async def drain(self) -> None:
         """Stop taking requests and let in-flight ones finish (up to the drain timeout)."""
@@ -562,9 +565,19 @@ def serve(engine: AsyncEngine, settings: ServerSettings, host: str, port: int,
     install_http_log_filters()  # after uvicorn.Config, which configures uvicorn's loggers
     server = DrainingServer(config, server_app)
     server.run()
-    if engine.failure is not None or server_app.load_error is not None:  # a rank lost, or
-        return 1  # the model never loaded
+    if engine.failure is not None:
+        # A rank was lost, and the MLX thread may still be inside a collective no rank will
+        # finish: the interpreter's exit would join it forever.
+        leave_now(1)
+    if server_app.load_error is not None:  # the model never loaded
+        return 1
     return 0 if server.started else 3  # 3: uvicorn's status for a failed start-up
+
+
+def leave_now(status: int) -> None:
+    """Exit at once with `status`, the logs flushed, joining no thread."""
+    logging.shutdown()
+    os._exit(status)
 
 
 def _has_uvloop() -> bool:

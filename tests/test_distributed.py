@@ -353,9 +353,13 @@ def test_broadcast_object_small_and_past_the_first_collective(tmp_path):
     assert "rank 0 ok" in log and "rank 1 ok" in log, log[-3000:]
 
 
-def test_a_rank_that_stops_answering_trips_the_rank_timeout():
+def _stop_follower_mid_stream(*, sigterm_leader: bool) -> str:
+    """A tensor-parallel server with a 4 s rank timeout streams; 5 chunks in, rank 1 is
+    stopped (alive, but silent), with rank 0 sent SIGTERM at once if asked. Rank 0 must exit
+    with code 1 within 30 s; returns the launcher's log."""
     server = LaunchedServer("--target", str(TARGET), "--parallel", "tensor",
                             "--num-speculative-tokens", "0", "--rank-timeout", "4")  # fmt: skip
+    leader = int(re.search(r"rank 0 pid (\d+)", server.text()).group(1))
     follower = server.follower_pid()
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
@@ -365,53 +369,37 @@ def test_a_rank_that_stops_answering_trips_the_rank_timeout():
         with pytest.raises(openai.APIError):
             for count, _ in enumerate(stream):
                 if count == 5:
-                    os.kill(follower, signal.SIGSTOP)  # alive, but silent
+                    os.kill(follower, signal.SIGSTOP)
+                    if sigterm_leader:
+                        os.kill(leader, signal.SIGTERM)
                     stopped_at = time.monotonic()
         assert stopped_at is not None
         deadline = stopped_at + 30
         while time.monotonic() < deadline and "rank 0 exited with code 1" not in server.text():
             time.sleep(0.2)
-        assert "rank 0 exited with code 1" in server.text(), server.text()[-3000:]
-        assert "did not answer within 4 s" in server.text()
+        log = server.text()
+        assert "rank 0 exited with code 1" in log, log[-3000:]
         assert time.monotonic() - stopped_at < 30
+        return log
     finally:
         try:
             os.kill(follower, signal.SIGCONT)
         except ProcessLookupError:
             pass
         server.stop()
+
+
+def test_a_rank_that_stops_answering_trips_the_rank_timeout():
+    log = _stop_follower_mid_stream(sigterm_leader=False)
+    assert "did not answer within 4 s" in log
 
 
 def test_a_rank_lost_during_a_drain_still_ends_rank_0_non_zero():
     """mlx.launch sends SIGTERM to rank 0 as soon as another rank dies, so rank 0 is often
     draining when its step fails. The drain then ends at once and uvicorn returns before the
     delayed exit runs, while the MLX thread is still inside a collective no rank will finish:
-    an ordinary interpreter exit would join that thread forever."""
-    server = LaunchedServer("--target", str(TARGET), "--parallel", "tensor",
-                            "--num-speculative-tokens", "0", "--rank-timeout", "4")  # fmt: skip
-    leader = int(re.search(r"rank 0 pid (\d+)", server.text()).group(1))
-    follower = server.follower_pid()
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        stream = client.completions.create(model="target", prompt="def add(a, b):",
-                                           max_tokens=4000, temperature=0, stream=True)  # fmt: skip
-        with pytest.raises(openai.APIError):
-            for count, _ in enumerate(stream):
-                if count == 5:
-                    os.kill(follower, signal.SIGSTOP)  # the step never finishes on rank 0
-                    os.kill(leader, signal.SIGTERM)  # as mlx.launch does
-                    stopped_at = time.monotonic()
-        deadline = stopped_at + 30
-        while time.monotonic() < deadline and "rank 0 exited with code 1" not in server.text():
-            time.sleep(0.2)
-        log = server.text()
-        assert "rank 0 exited with code 1" in log, log[-3000:]
-    finally:
-        try:
-            os.kill(follower, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        server.stop()
+    an ordinary interpreter exit would join that thread forever (it hung here before)."""
+    _stop_follower_mid_stream(sigterm_leader=True)
 
 
 def test_a_target_the_ranks_cannot_shard_fails_every_rank_with_the_reason():

@@ -616,9 +616,24 @@ def test_offline_accepted_runs_equal_the_speculative_loops_on_the_bundled_pair(t
         full = [k for k, s in enumerate(out.steps) if s.drafted == depth]
         runs = trainer.accepted_runs(store, 0, sequence, anchors[full])
         assert runs.tolist() == [out.steps[k].accepted for k in full]
+        # replaying the loop over every anchor's run takes the loop's own number of steps
+        every = trainer.accepted_runs(
+            store, 0, sequence, np.arange(len(prompt), len(sequence.tokens) - 1)
+        )
+        assert campaign.loop_steps_over(every) == len(out.steps)
         compared += len(full)
         accepted_total += int(runs.sum())
     assert compared >= 10 and accepted_total > 0
+
+
+def test_the_replayed_loop_counts_steps_and_sits_below_the_mean_over_anchors():
+    """Each step commits its anchor's run plus one token and jumps past them; clustered runs
+    make the loop's tokens a step smaller than the mean of 1 + run over all anchors."""
+    assert campaign.loop_steps_over(np.array([0, 0, 0])) == 3
+    assert campaign.loop_steps_over(np.array([2, 5, 5, 0, 1, 0])) == 3  # 0 -> 3 -> 4 -> 6
+    clustered = np.array([3, 2, 1, 0] + [0] * 4)  # one easy stretch, then a hard one
+    loop_tau = len(clustered) / campaign.loop_steps_over(clustered)
+    assert loop_tau == pytest.approx(8 / 5) and loop_tau < 1 + clustered.mean()
 
 
 # ------------------------------------------------------------------ growing by layers
@@ -649,6 +664,7 @@ def test_grow_keeps_the_predictions_and_the_next_sitting_trains_the_new_layer(ti
     assert campaign.read_state(drafter_dir).recipe.layers == 3
     after = measure()
     assert after["tau"] == before["tau"] and after["acc"] == before["acc"]
+    assert before["tau_loop"] >= 1.0 and after["tau_loop"] == before["tau_loop"]  # all anchors
     assert after["loss"] == pytest.approx(before["loss"], rel=1e-6)
     new_out = _weights(drafter_dir)["layers.2.self_attn.o_proj.weight"]
     assert not new_out.any()

@@ -650,12 +650,13 @@ def test_grow_keeps_the_predictions_and_the_next_sitting_trains_the_new_layer(ti
     campaign.run_sitting(recipe=_tiny_recipe(), **kwargs)
     sequences = campaign.to_sequences(corpus[1], 768)
 
-    def measure() -> dict:
+    def measure(anchors: int = 0) -> dict:
         model, state, draft_vocab = campaign.load_checkpoint(drafter_dir)
         trainer = campaign.Trainer(target, "tiny", model, state, draft_vocab, tmp_path / "m")
-        return trainer.heldout(trainer.store(sequences), sequences, 0)
+        return trainer.heldout(trainer.store(sequences), sequences, anchors)
 
     before = measure()
+    assert measure(anchors=2)["tau_loop"] is None  # sampled anchors cannot replay the loop
     with pytest.raises(ValueError, match="more layers"):
         campaign.grow_checkpoint(drafter_dir, 2, "grow")
     record = campaign.grow_checkpoint(drafter_dir, 3, "grow --layers 3")

@@ -554,7 +554,7 @@ class Trainer:
             rows_sum += inside.sum(0)
             record_runs = np.cumprod(hits, axis=1).sum(1)
             runs.append(record_runs)
-            if len(anchors) == len(sequence.tokens) - 1 - first:
+            if not anchors_per_record:  # every anchor (a sample would replay short records only)
                 loop_tokens += len(record_runs)
                 loop_steps += loop_steps_over(record_runs)
         run = np.concatenate(runs) if runs else np.zeros(1)

@@ -675,3 +675,43 @@ def test_grow_keeps_the_predictions_and_the_next_sitting_trains_the_new_layer(ti
     assert _weights(drafter_dir)["layers.2.self_attn.o_proj.weight"].any()
     card = campaign.write_card(drafter_dir, "tiny").read_text()
     assert "`grow --layers 3`: 2 -> 3 layers" in card and "grown to 3 layers" in card
+
+
+# ------------------------------------------------------------------ the eval set
+def test_the_eval_set_measures_each_kind_logs_it_and_shows_on_the_card(tiny, tmp_path):
+    """`evalset measure` replays the loop per kind over every anchor; `--log` puts it in the
+    sittings log (not as a sitting) and the card's eval-set table shows it. The file is written
+    sorted and byte-stable, so a rebuilt set of the same records commits no change."""
+    from drafters.dflash import evalset
+
+    target, target_dir = tiny
+    vocab = target.vocab_size
+    drafter_dir = tmp_path / "d"
+    corpus = (_records(6, vocab), _records(2, vocab, seed=1))
+    campaign.run_sitting(
+        recipe=_tiny_recipe(),
+        max_steps=2,
+        **_sitting_args(target_dir, drafter_dir, tmp_path, corpus),
+    )
+    records = [{**r, "kind": kind} for kind in ("chat", "editing") for r in _records(3, vocab, 2)]
+    for i, r in enumerate(records):
+        r["key"] = f"k{i}"
+    path = evalset.write_evalset(records, tmp_path / "set" / "tiny.jsonl.gz")
+    first_bytes = path.read_bytes()
+    assert evalset.write_evalset(records[::-1], path).read_bytes() == first_bytes
+    assert evalset.read_evalset(path) == sorted(records, key=lambda r: (r["kind"], r["key"]))
+
+    result = evalset.measure(str(target_dir), drafter_dir, records, tmp_path / "cache")
+    assert set(result["tau_loop"]) == {"chat", "editing"}
+    assert all(1.0 <= t <= 4.0 for t in result["tau_loop"].values())  # depth 3 + the bonus
+    assert result["by_kind"]["chat"]["records"] == 3 and result["depth"] == 3
+    assert result["tau_loop_mean"] == pytest.approx(
+        np.mean(list(result["tau_loop"].values())), abs=1e-4
+    )
+
+    evalset.log_measure(drafter_dir, result, "evalset measure --log")
+    assert campaign.read_sittings(drafter_dir)[-1]["stage"] == "evalset"
+    card = campaign.write_card(drafter_dir, "tiny").read_text()
+    section = card.split("## Held-out tau on the eval set")[1]
+    assert f"| {result['step']} | {result['tau_loop_mean']:.3f} |" in section
+    assert card.count("evalset measure --log") == 1  # in its own table, not a sittings row

@@ -7,6 +7,7 @@ the last one on any machine.
     python -m drafters.dflash.campaign features [--shard N]   # a shard's features, ahead of time
     python -m drafters.dflash.campaign heldout                # held-out loss, acc, offline tau
     python -m drafters.dflash.campaign grow --layers 3        # more layers, same predictions
+    python -m drafters.dflash.evalset measure --log           # the eval set, loop replayed
 
 What the repository holds (`engine/models/smollm2_drafter/`, the registry's drafter directory):
 
@@ -1093,8 +1094,16 @@ def write_card(drafter_dir: Path, target_name: str) -> Path:
     config = read_config(drafter_dir)
     r = state.recipe
     sittings = read_sittings(drafter_dir)
-    rows, evals = [], []
+    rows, evals, evalsets = [], [], []
     for s in sittings:
+        if s.get("stage") == "evalset":  # `python -m drafters.dflash.evalset measure --log`
+            taus = " / ".join(f"{k} {v:.3f}" for k, v in s.get("tau_loop", {}).items())
+            records = sum(k.get("records", 0) for k in s.get("by_kind", {}).values())
+            evalsets.append(
+                f"| {s['at']} | {s['step']} | {s.get('tau_loop_mean', 0):.3f} | {taus} "
+                f"| {records} |"
+            )
+            continue
         if s.get("stage") == "eval":
             taus = " / ".join(f"{k} {v:.2f}" for k, v in s.get("tau", {}).items())
             kept = "kept" if s.get("kept") else "rejected (committed one restored)"
@@ -1196,6 +1205,16 @@ sitting, where measured.
 | at (UTC) | step | mean tau | per kind | outcome |
 |---|---:|---:|---|---|
 {chr(10).join(evals)}
+
+## Held-out tau on the eval set (the loop replayed, depth {config.block_size - 1})
+
+`python -m drafters.dflash.evalset measure --log`: the first held-out prompts of each kind of
+the mix, each whole greedy continuation (`drafters/dflash/evalsets/`), tokens a step of the
+greedy loop replayed offline (equal to the real loop's): more prompts and tokens than above.
+
+| at (UTC) | step | mean tau | per kind | records |
+|---|---:|---:|---|---:|
+{chr(10).join(evalsets) or "| - | - | - | not measured yet | - |"}
 
 ## Projection: tau against labels seen
 

@@ -1,0 +1,148 @@
+"""The issue's held-out prompts as a fixed eval set, measured offline by replaying the loop.
+
+    python -m drafters.dflash.evalset build [--per-kind 24]   # once: the target's continuations
+    python -m drafters.dflash.evalset measure [--drafter-dir D] [--log]
+
+`campaign eval` runs the real speculative loop on 3 held-out prompts a kind for 64 tokens: a
+minute, but a coarse measure (a sitting's gain is often inside its noise). Here the first
+`per_kind` prompts of each kind from the mix's held-out files (`prompt_mix.build_prompts
+("held_out", ...)`, the split the bench's aims are stated on) are generated once, greedy, by the
+target, and kept in the repository (`evalsets/<target>.jsonl.gz`). A measure is then the
+greedy loop replayed over every record's whole continuation (`campaign.loop_steps_over` on the
+offline accepted runs, which equal the real loop's: `tests/test_campaign.py`), at the drafter's
+own depth: 4x the prompts and 2-4x the tokens of `campaign eval`, in about as long once the
+target's features are cached.
+
+The records are never trained on: the campaign's corpus holds only `train`-split prompts, and
+these files are outside `corpus/`.
+"""
+
+from __future__ import annotations
+
+import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
+
+# isort: split
+import argparse
+import asyncio
+import gzip
+import json
+import logging
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from drafters.dflash import campaign
+from drafters.dflash.train import read_jsonl_records
+
+EVALSET_ROOT = Path(__file__).resolve().parent / "evalsets"
+DEFAULT_PER_KIND = 24
+
+log = logging.getLogger(__name__)
+
+
+def evalset_path(target: str, root: Path = EVALSET_ROOT) -> Path:
+    return root / f"{Path(target).name}.jsonl.gz"
+
+
+def read_evalset(path: Path) -> list[dict[str, Any]]:
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_evalset(records: list[dict[str, Any]], path: Path) -> Path:
+    """Sorted by kind then key, gzip without a timestamp: the same records, the same bytes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ordered = sorted(records, key=lambda r: (r["kind"], r["key"]))
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+        f.write("".join(json.dumps(r) + "\n" for r in ordered).encode())
+    return path
+
+
+def build_evalset(target: str, per_kind: int, path: Path) -> Path:
+    """Generate (greedy, the corpus's limits) the target's continuations of the held-out split's
+    first `per_kind` prompts of each kind and write them to `path`."""
+    from drafters.dflash.datagen import DEFAULT_MAX_TOKENS, generate_mix
+    from drafters.dflash.prompt_mix import build_prompts
+
+    prompts = build_prompts("held_out", per_kind)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "held_out.jsonl"
+        asyncio.run(generate_mix(target, prompts, out, max_tokens=DEFAULT_MAX_TOKENS))
+        return write_evalset(read_jsonl_records(out), path)
+
+
+def measure(
+    target: str, drafter_dir: Path, records: list[dict[str, Any]], cache_root: Path
+) -> dict[str, Any]:
+    """Per kind: tokens a step of the greedy loop replayed (`tau_loop`), the mean over anchors
+    (`tau`), and the held-out loss; `tau_loop_mean` averages the kinds, as `campaign eval`."""
+    config = campaign.read_config(drafter_dir)
+    adapter, _ = campaign.load_target(target, config.target_layer_ids, config.num_hidden_layers)
+    model, state, vocab = campaign.load_checkpoint(drafter_dir)
+    trainer = campaign.Trainer(adapter, target, model, state, vocab, cache_root / Path(target).name)
+    by_kind: dict[str, dict[str, Any]] = {}
+    for kind in sorted({r["kind"] for r in records}):
+        sequences = campaign.to_sequences(
+            [r for r in records if r["kind"] == kind], state.recipe.max_len
+        )
+        result = trainer.heldout(trainer.store(sequences), sequences, anchors_per_record=0)
+        by_kind[kind] = {
+            "tau_loop": result["tau_loop"],
+            "tau": result["tau"],
+            "loss": round(result["loss"], 4),
+            "records": len(sequences),
+        }
+        log.info(
+            "%s: tau_loop %.3f (mean over anchors %.3f)", kind, result["tau_loop"], result["tau"]
+        )
+    return {
+        "tau_loop": {k: v["tau_loop"] for k, v in by_kind.items()},
+        "tau_loop_mean": round(float(np.mean([v["tau_loop"] for v in by_kind.values()])), 4),
+        "by_kind": by_kind,
+        "depth": config.block_size - 1,
+        "step": state.step,
+    }
+
+
+def log_measure(drafter_dir: Path, result: dict[str, Any], command: str) -> None:
+    """Append the measure to the drafter's sittings log (the card shows the newest)."""
+    state = campaign.read_state(drafter_dir)
+    entry = {**campaign.log_entry("evalset", command, state), **result}
+    campaign.write_json(
+        drafter_dir / campaign.SITTINGS_FILE, campaign.read_sittings(drafter_dir) + [entry]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = "python -m drafters.dflash.evalset " + " ".join(shlex.quote(a) for a in argv)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("action", choices=("build", "measure"))
+    parser.add_argument("--target", default=campaign.DEFAULT_TARGET)
+    parser.add_argument("--drafter-dir", type=Path, default=campaign.DEFAULT_DRAFTER_DIR)
+    parser.add_argument("--per-kind", type=int, default=DEFAULT_PER_KIND)
+    parser.add_argument("--evalset", type=Path, help="default: evalsets/<target>.jsonl.gz")
+    parser.add_argument("--log", action="store_true", help="measure: add it to the sittings log")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    path = args.evalset or evalset_path(args.target)
+    if args.action == "build":
+        print(f"wrote {build_evalset(args.target, args.per_kind, path)}")
+        return 0
+    result = measure(args.target, args.drafter_dir, read_evalset(path), campaign.CACHE_ROOT)
+    if args.log:
+        log_measure(args.drafter_dir, result, command)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

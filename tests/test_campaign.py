@@ -715,3 +715,10 @@ def test_the_eval_set_measures_each_kind_logs_it_and_shows_on_the_card(tiny, tmp
     section = card.split("## Held-out tau on the eval set")[1]
     assert f"| {result['step']} | {result['tau_loop_mean']:.3f} |" in section
     assert card.count("evalset measure --log") == 1  # in its own table, not a sittings row
+    projected = card.split("On the eval set")[1]
+    assert "Two evals at different label counts" in projected
+    later = {**result, "labels_seen": 4 * result["labels_seen"], "step": result["step"] + 1}
+    later["tau_loop"] = {k: v + 0.2 for k, v in result["tau_loop"].items()}
+    evalset.log_measure(drafter_dir, later, "evalset measure --log")
+    projected = campaign.write_card(drafter_dir, "tiny").read_text().split("On the eval set")[1]
+    assert "| chat | 2.5 | +0.100 |" in projected  # +0.2 over two doublings of labels

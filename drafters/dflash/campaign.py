@@ -1041,17 +1041,22 @@ TAU_AIMS = {"editing": 3.5, "completion": 3.0, "chat": 2.5}
 def _labels_at(step: int, sittings: list[dict], state: State) -> float:
     """Labels seen at `step`: from the sitting that ended there, else pro rata."""
     for s in sittings:
-        if s.get("stage") != "eval" and s.get("step_end") == step and "labels_start" in s:
+        if s.get("stage") == "sitting" and s.get("step_end") == step and "labels_start" in s:
             return float(s["labels_start"] + s.get("labels", 0))
     return state.labels_seen * step / max(state.step, 1)
 
 
-def tau_projection(sittings: list[dict], state: State) -> list[str]:
-    """Markdown lines: tau against labels seen (every kept eval), a straight line through
-    tau against log(labels) per kind, and the labels and sittings each aim needs at it.
-    Crude by design: a handful of noisy points, and learning curves bend."""
-    evals = [s for s in sittings if s.get("stage") == "eval" and s.get("tau")]
-    points = [(_labels_at(s["step"], sittings, state), s["tau"]) for s in evals]
+def tau_projection(
+    sittings: list[dict], state: State, stage: str = "eval", field: str = "tau"
+) -> list[str]:
+    """Markdown lines: tau against labels seen (every kept eval, or with `stage="evalset"`
+    and `field="tau_loop"` every eval-set measure), a straight line through tau against
+    log(labels) per kind, and the labels and sittings each aim needs at it. Crude by design:
+    a handful of noisy points, and learning curves bend."""
+    evals = [s for s in sittings if s.get("stage") == stage and s.get(field)]
+    points = [
+        (s.get("labels_seen") or _labels_at(s["step"], sittings, state), s[field]) for s in evals
+    ]
     points = [(labels, tau) for labels, tau in points if labels > 0]
     lines = ["| labels seen | " + " | ".join(TAU_AIMS) + " |",
              "|---:|" + "---:|" * len(TAU_AIMS)]  # fmt: skip
@@ -1219,6 +1224,10 @@ greedy loop replayed offline (equal to the real loop's): more prompts and tokens
 ## Projection: tau against labels seen
 
 {chr(10).join(tau_projection(sittings, state))}
+
+On the eval set (tokens a step of the loop replayed):
+
+{chr(10).join(tau_projection(sittings, state, "evalset", "tau_loop"))}
 """
     path = drafter_dir / "MODEL_CARD.md"
     path.write_text(card)

@@ -105,6 +105,7 @@ def measure(
         "by_kind": by_kind,
         "depth": config.block_size - 1,
         "step": state.step,
+        "labels_seen": state.labels_seen,
     }
 
 

@@ -31,11 +31,13 @@ PYEOF
 }
 # `train_measure LABEL DIR STEPS`: the campaign's own `run --steps STEPS` on checkpoint DIR
 # (log arm-LABEL.log, its sitting arm-LABEL.sitting.json), then the held-out measure on every
-# anchor, appended to heldout.jsonl as arm LABEL.
+# anchor, appended to heldout.jsonl as arm LABEL, and the eval set's, to evalset.jsonl.
 train_measure() {
   local name=$1 dir=$2 steps=$3
   $PY -m drafters.dflash.campaign run --drafter-dir $dir --steps $steps --heldout-every ${EVERY:-0} --heldout-anchors ${ANCH:-16} --checkpoint-minutes 1000 >> $OUT/arm-$name.log 2>&1
   grep "sitting done" $OUT/arm-$name.log | tail -1 | sed 's/.*sitting done: //' > $OUT/arm-$name.sitting.json
   $PY -m drafters.dflash.campaign heldout --heldout-anchors 0 --drafter-dir $dir 2>/dev/null | tail -1 | sed "s/^{/{\"arm\": \"$name\", /" | tee -a $OUT/heldout.jsonl
+  # the eval set: the mix's held-out prompts, the loop replayed (drafters/dflash/evalset.py)
+  $PY -m drafters.dflash.evalset measure --drafter-dir $dir 2>/dev/null | tail -1 | sed "s/^{/{\"arm\": \"$name\", /" | tee -a $OUT/evalset.jsonl
   echo "$name done $(date +%T)" >> $OUT/arms.log
 }

@@ -657,6 +657,14 @@ def load_target(name: str, layer_ids: list[int] | None, layers: int) -> tuple[Ta
     return TargetAdapter(model, list(layer_ids)), target_dir
 
 
+def trainer_for(target_name: str, drafter_dir: Path, cache_root: Path = CACHE_ROOT) -> Trainer:
+    """A `Trainer` on the checkpoint in `drafter_dir` and its target, for measures (no sitting)."""
+    config = read_config(drafter_dir)
+    target, _ = load_target(target_name, config.target_layer_ids, config.num_hidden_layers)
+    model, state, vocab = load_checkpoint(drafter_dir)
+    return Trainer(target, target_name, model, state, vocab, cache_root / Path(target_name).name)
+
+
 def heldout_of(
     target_name: str,
     drafter_dir: Path,
@@ -668,10 +676,8 @@ def heldout_of(
     """The held-out measure (`Trainer.heldout`) of the checkpoint in `drafter_dir`, no training;
     with `train_shard`, the same measure on that training shard's first records instead (the
     gap between the two says whether the drafter is short of data or of capacity)."""
-    config = read_config(drafter_dir)
-    target, _ = load_target(target_name, config.target_layer_ids, config.num_hidden_layers)
-    model, state, vocab = load_checkpoint(drafter_dir)
-    trainer = Trainer(target, target_name, model, state, vocab, cache_root / Path(target_name).name)
+    trainer = trainer_for(target_name, drafter_dir, cache_root)
+    state = trainer.state
     train, val = corpus_split(target_name)
     if train_shard is not None:
         # records and sequences are one to one: the shard is cut from the record count

@@ -37,12 +37,14 @@ def part_paths(directory: Path) -> list[Path]:
     return sorted(directory.glob("part-*.jsonl.gz"))
 
 
+def read_part(path: Path) -> list[dict[str, Any]]:
+    """The records of one gzipped JSONL file (a part, or an eval set)."""
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def read_parts(directory: Path) -> list[dict[str, Any]]:
-    records: list[dict[str, Any]] = []
-    for path in part_paths(directory):
-        with gzip.open(path, "rt") as f:
-            records += [json.loads(line) for line in f if line.strip()]
-    return records
+    return [r for path in part_paths(directory) for r in read_part(path)]
 
 
 def import_parts(directory: Path, data_path: Path) -> int:

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from drafters.dflash import campaign
+from drafters.dflash.corpus import read_part
 from drafters.dflash.train import read_jsonl_records
 
 EVALSET_ROOT = Path(__file__).resolve().parent / "evalsets"
@@ -49,8 +50,7 @@ def evalset_path(target: str, root: Path = EVALSET_ROOT) -> Path:
 
 
 def read_evalset(path: Path) -> list[dict[str, Any]]:
-    with gzip.open(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_part(path)
 
 
 def write_evalset(records: list[dict[str, Any]], path: Path) -> Path:
@@ -80,10 +80,8 @@ def measure(
 ) -> dict[str, Any]:
     """Per kind: tokens a step of the greedy loop replayed (`tau_loop`), the mean over anchors
     (`tau`), and the held-out loss; `tau_loop_mean` averages the kinds, as `campaign eval`."""
-    config = campaign.read_config(drafter_dir)
-    adapter, _ = campaign.load_target(target, config.target_layer_ids, config.num_hidden_layers)
-    model, state, vocab = campaign.load_checkpoint(drafter_dir)
-    trainer = campaign.Trainer(adapter, target, model, state, vocab, cache_root / Path(target).name)
+    trainer = campaign.trainer_for(target, drafter_dir, cache_root)
+    state, depth = trainer.state, campaign.read_config(drafter_dir).block_size - 1
     by_kind: dict[str, dict[str, Any]] = {}
     for kind in sorted({r["kind"] for r in records}):
         sequences = campaign.to_sequences(
@@ -103,7 +101,7 @@ def measure(
         "tau_loop": {k: v["tau_loop"] for k, v in by_kind.items()},
         "tau_loop_mean": round(float(np.mean([v["tau_loop"] for v in by_kind.values()])), 4),
         "by_kind": by_kind,
-        "depth": config.block_size - 1,
+        "depth": depth,
         "step": state.step,
         "labels_seen": state.labels_seen,
     }

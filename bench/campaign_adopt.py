@@ -2,9 +2,10 @@
 
 The arm must have started from the live checkpoint as it stands: its sittings log begins with
 the live one. Weights, config and training state come from the arm; the live sittings log gains
-the arm's sittings, annotated with NOTE, the first also with what the arm retuned (the recipe's
-retunable fields that differ from the live state's). An arm that changed anything else (the
-model or the data cut) is refused by name: the campaign could not have retuned it.
+the arm's sittings (and the `campaign grow` it began with, if any: more layers or taps, which
+keep the predictions), annotated with NOTE, the first sitting also with what the arm retuned
+(the recipe's retunable fields that differ from the live state's). An arm that changed any
+other recipe field (the data cut, say) is refused by name: the campaign could not have retuned it.
 
     python bench/campaign_adopt.py ARM_DIR LIVE_DIR NOTE
 """
@@ -29,7 +30,9 @@ def adopt(arm: Path, live: Path, note: str) -> dict:
     if arm_log[: len(live_log)] != live_log:
         raise SystemExit(f"{arm} did not start from the live checkpoint {live}")
     legs = arm_log[len(live_log) :]
-    if not legs or not all(s.get("stage") == "sitting" and str(arm) in s["command"] for s in legs):
+    # an arm's own entries: its sittings, and any `grow` (layers or taps) it started with
+    own = all(s.get("stage") in ("sitting", "grow") and str(arm) in s["command"] for s in legs)
+    if not own or not any(s.get("stage") == "sitting" for s in legs):
         raise SystemExit(f"{arm} holds no sitting of its own to adopt")
     before = _read(live / "training/state.json")["recipe"]
     state = _read(arm / "training/state.json")
@@ -41,7 +44,7 @@ def adopt(arm: Path, live: Path, note: str) -> dict:
     for leg in legs:
         leg["note"] = note
     if changed:
-        legs[0]["retuned"] = changed
+        next(s for s in legs if s.get("stage") == "sitting")["retuned"] = changed
     for name in ("model.safetensors", "config.json", "draft_vocab.safetensors"):
         shutil.copy2(arm / name, live / name)
     (live / "training/sittings.json").write_text(json.dumps(live_log + legs, indent=1) + "\n")

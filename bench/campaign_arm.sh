@@ -1,7 +1,8 @@
 # Sourced by the campaign's paired-arm scripts (bench/results/*/campaign-arms*/run_arms.sh).
-# `arm NAME STEPS EDIT [LAYERS]`: a copy of the drafter checkpoint at commit (or directory) $FROM under
+# `arm NAME STEPS EDIT [GROW]`: a copy of the drafter checkpoint at commit (or directory) $FROM under
 # /tmp/$ARMS/NAME, its state/config edited by the python snippet EDIT (it sees `st`, `recipe`,
-# `config`), grown to LAYERS layers if given (`campaign grow`), trained by the campaign's own
+# `config`), grown by `campaign grow GROW` if given ("--taps 1,14,27", "--layers 3"; a bare
+# number N means "--layers N"), trained by the campaign's own
 # `run --steps STEPS`, then measured on every held-out anchor; results go to $OUT. Pause the
 # live campaign first (kill -STOP <its pid>): arms time their own labels a second.
 cd /work/main
@@ -25,7 +26,8 @@ recipe, config = st["recipe"], cf
 exec(sys.argv[2])
 (d/"training/state.json").write_text(json.dumps(st, indent=1)); (d/"config.json").write_text(json.dumps(cf, indent=1))
 PYEOF
-  [ -n "$grow" ] && $PY -m drafters.dflash.campaign grow --layers $grow --drafter-dir $dir >> $OUT/arm-$name.log 2>&1
+  case $grow in [0-9]*) grow="--layers $grow" ;; esac
+  [ -n "$grow" ] && $PY -m drafters.dflash.campaign grow $grow --drafter-dir $dir >> $OUT/arm-$name.log 2>&1
   echo "=== $name: steps $steps; $edit; grow ${grow:-no} $(date +%T)" >> $OUT/arms.log
   train_measure $name $dir $steps
 }

@@ -677,6 +677,49 @@ def test_grow_keeps_the_predictions_and_the_next_sitting_trains_the_new_layer(ti
     assert "`grow --layers 3`: 2 -> 3 layers" in card and "grown to 3 layers" in card
 
 
+def test_grow_by_a_tap_keeps_the_predictions_and_the_next_sitting_reads_the_new_layer(
+    tiny, tmp_path
+):
+    """`campaign grow --taps` reads one more target layer through zero `fc` columns: the
+    held-out measure (over features recomputed with the new tap) is unchanged, the card says
+    so, and a resumed sitting trains those columns off zero."""
+    target, target_dir = tiny
+    vocab = target.vocab_size
+    corpus = (_records(6, vocab), _records(2, vocab, seed=1))
+    drafter_dir = tmp_path / "d"
+    kwargs = _sitting_args(target_dir, drafter_dir, tmp_path, corpus, max_steps=2)
+    campaign.run_sitting(recipe=_tiny_recipe(), **kwargs)
+    sequences = campaign.to_sequences(corpus[1], 768)
+
+    def measure() -> dict:
+        trainer = campaign.trainer_for(str(target_dir), drafter_dir, tmp_path / "m")
+        return trainer.heldout(trainer.store(sequences), sequences, 0)
+
+    taps = campaign.read_config(drafter_dir).target_layer_ids
+    assert taps == [1, 3]
+    before = measure()
+    fc_before = _weights(drafter_dir)["fc.weight"]
+    with pytest.raises(ValueError, match="more taps"):
+        campaign.grow_checkpoint(drafter_dir, None, "grow", taps=[1])
+    record = campaign.grow_checkpoint(drafter_dir, None, "grow --taps 1,2,3", taps=[3, 2, 1])
+    assert record["taps"] == [[1, 3], [1, 2, 3]] and "layers" not in record
+    assert campaign.read_config(drafter_dir).target_layer_ids == [1, 2, 3]
+    fc = _weights(drafter_dir)["fc.weight"]
+    width = fc_before.shape[1] // 2
+    assert fc.shape[1] == 3 * width and not fc[:, width : 2 * width].any()
+    assert np.array_equal(fc[:, :width], fc_before[:, :width])
+    assert np.array_equal(fc[:, 2 * width :], fc_before[:, width:])
+    after = measure()
+    assert after["tau"] == before["tau"] and after["tau_loop"] == before["tau_loop"]
+    assert after["loss"] == pytest.approx(before["loss"], rel=1e-5)
+
+    campaign.run_sitting(recipe=None, **kwargs)
+    assert campaign.read_state(drafter_dir).step == 4
+    assert _weights(drafter_dir)["fc.weight"][:, width : 2 * width].any()
+    card = campaign.write_card(drafter_dir, "tiny").read_text()
+    assert "taps [1, 3] -> [1, 2, 3]" in card
+
+
 # ------------------------------------------------------------------ the eval set
 def test_the_eval_set_measures_each_kind_logs_it_and_shows_on_the_card(tiny, tmp_path):
     """`evalset measure` replays the loop per kind over every anchor; `--log` puts it in the

@@ -7,6 +7,7 @@ the last one on any machine.
     python -m drafters.dflash.campaign features [--shard N]   # a shard's features, ahead of time
     python -m drafters.dflash.campaign heldout                # held-out loss, acc, offline tau
     python -m drafters.dflash.campaign grow --layers 3        # more layers, same predictions
+    python -m drafters.dflash.campaign grow --taps 1,14,27    # read one more target layer
     python -m drafters.dflash.evalset measure --log           # the eval set, loop replayed
 
 What the repository holds (`engine/models/smollm2_drafter/`, the registry's drafter directory):
@@ -697,17 +698,27 @@ def log_entry(stage: str, command: str, state: State) -> dict[str, Any]:
     }
 
 
-def grow_checkpoint(drafter_dir: Path, layers: int, command: str) -> dict[str, Any]:
-    """Grow the checkpoint in `drafter_dir` to `layers` layers in place (`grow.grow_layers`:
-    the predictions stay the same) and log it in the sittings log as a `grow` stage."""
-    from drafters.dflash.grow import grow_layers
+def grow_checkpoint(
+    drafter_dir: Path, layers: int | None, command: str, taps: list[int] | None = None
+) -> dict[str, Any]:
+    """Grow the checkpoint in `drafter_dir` in place to `layers` layers (`grow.grow_layers`)
+    and/or to read the target at `taps` (`grow.grow_taps`); the predictions stay the same.
+    Logged in the sittings log as a `grow` stage."""
+    from drafters.dflash.grow import grow_layers, grow_taps
 
+    if layers is None and taps is None:
+        raise ValueError("grow needs more layers or more taps")
     model, state, vocab = load_checkpoint(drafter_dir)
-    before = state.recipe.layers
-    grown = grow_layers(model, layers)
-    state.recipe.layers = layers
-    record = {**log_entry("grow", command, state), "layers": [before, layers]}
-    save_checkpoint(drafter_dir, grown, state, vocab, read_sittings(drafter_dir) + [record])
+    record = log_entry("grow", command, state)
+    if layers is not None:
+        record["layers"] = [state.recipe.layers, layers]
+        model = grow_layers(model, layers)
+        state.recipe.layers = layers
+    if taps is not None:
+        before = list(model.config.target_layer_ids)
+        model = grow_taps(model, taps)
+        record["taps"] = [before, list(model.config.target_layer_ids)]
+    save_checkpoint(drafter_dir, model, state, vocab, read_sittings(drafter_dir) + [record])
     return record
 
 
@@ -1123,11 +1134,16 @@ def write_card(drafter_dir: Path, target_name: str) -> Path:
             )
             continue
         if s.get("stage") == "grow":
-            before, after = s["layers"]
+            grew = []
+            if "layers" in s:
+                grew.append(f"{s['layers'][0]} -> {s['layers'][1]} layers (new layers' output "
+                            "projections start at zero)")  # fmt: skip
+            if "taps" in s:
+                grew.append(f"taps {s['taps'][0]} -> {s['taps'][1]} (new taps' `fc` columns "
+                            "start at zero)")  # fmt: skip
             rows.append(
-                f"| {s['at']} | `{s['command']}`: {before} -> {after} layers, predictions "
-                f"unchanged (new layers' output projections start at zero) | {s['step']} "
-                "| - | - | - | - | - | - |"
+                f"| {s['at']} | `{s['command']}`: {'; '.join(grew)}, predictions unchanged "
+                f"| {s['step']} | - | - | - | - | - | - |"
             )
             continue
         start, end = s.get("heldout_start") or {}, s.get("heldout_end") or {}
@@ -1151,7 +1167,7 @@ def write_card(drafter_dir: Path, target_name: str) -> Path:
         chosen.append(f"candidate-set loss (top-{r.top_k} + label + {r.negatives} negatives)")
     if r.distill > 0:
         chosen.append(f"distillation (alpha {r.distill:.2f} on KL to the target's top-{r.top_k})")
-    grown = [s["layers"] for s in sittings if s.get("stage") == "grow"]
+    grown = [s["layers"] for s in sittings if s.get("stage") == "grow" and "layers" in s]
     if r.warm_start:
         first = grown[0][0] if grown else r.layers
         chosen.append(f"warm start from the target's top {first} layers")
@@ -1375,6 +1391,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-anchors", type=int)
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--layers", type=int)
+    parser.add_argument(
+        "--taps", help="grow: the target layers to read, comma-separated (every current one too)"
+    )
     parser.add_argument("--draft-vocab", type=int)
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--gamma", type=float, help="loss decay over block rows (0: paper's)")
@@ -1456,9 +1475,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(json.dumps({"drafter_dir": str(args.drafter_dir), "shard": on_shard, **result}))
     elif args.action == "grow":
-        if args.layers is None:
-            parser.error("grow needs --layers N (more than the drafter has)")
-        print(json.dumps(grow_checkpoint(args.drafter_dir, args.layers, command)))
+        if args.layers is None and args.taps is None:
+            parser.error("grow needs --layers N (more than the drafter has) and/or --taps A,B,...")
+        taps = None if args.taps is None else [int(t) for t in args.taps.split(",")]
+        print(json.dumps(grow_checkpoint(args.drafter_dir, args.layers, command, taps)))
     elif args.action == "card":
         print(f"card written to {write_card(args.drafter_dir, args.target)}")
     elif args.action == "speed":
@@ -1467,7 +1487,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     elif args.action == "features":
         recipe = _recipe_from_args(args)
-        target, _ = load_target(args.target, None, recipe.layers)
+        # the checkpoint's own taps where there is one (a grown drafter reads more layers)
+        has_checkpoint = (args.drafter_dir / "config.json").exists()
+        taps = read_config(args.drafter_dir).target_layer_ids if has_checkpoint else None
+        target, _ = load_target(args.target, taps, recipe.layers)
         train_records, val = corpus_split(args.target)
         seqs = to_sequences(train_records, recipe.max_len)
         shard = shard_slices(len(seqs), recipe.shard_records)[args.shard]

@@ -46,10 +46,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_command(*command: str) -> list[str]:
-    """`mlx.launch -n 2 --backend ring` on loopback, on ports no other test holds."""
-    return [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()),
-            "--", *command]  # fmt: skip
+def _free_port_pair(avoid: tuple[int, ...] = ()) -> int:
+    """A free port p with p + 1 free too, neither in `avoid`: the ring backend listens on one
+    port a rank from p up, so a free p alone may leave rank 1 a port that is taken."""
+    while True:
+        first = _free_port()
+        if first in avoid or first + 1 in avoid:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", first + 1))
+            except OSError:
+                continue
+        return first
+
+
+def _launch_command(*command: str, avoid: tuple[int, ...] = ()) -> list[str]:
+    """`mlx.launch -n 2 --backend ring` on loopback, on ports no other test holds (nor
+    `avoid`: a server's port, chosen but not yet bound)."""
+    return [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port",
+            str(_free_port_pair(avoid)), "--", *command]  # fmt: skip
 
 
 def _scenario(spec: dict, tmp_path: Path, distributed: bool) -> tuple[dict, str]:
@@ -148,7 +164,10 @@ def test_smollm2_pipeline_parallel_equals_one_process(tmp_path):
 class LaunchedServer:
     """`mlx.launch -n 2 --backend ring -- flashbatch serve --parallel ...` on loopback."""
 
-    def __init__(self, *extra: str, ready_timeout: float = 120.0) -> None:
+    # Two ranks load the model and run the warm-up profile on 2 shared cores: 300 s leaves room
+    # for a loaded host (a CI run once gave up at 120 s; its cause went unseen, since text()
+    # then failed on the closed log, and the error now shows the log).
+    def __init__(self, *extra: str, ready_timeout: float = 300.0) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         serve = [sys.executable, "-m", "engine.cli", "serve", "--port", str(self.port),
@@ -156,7 +175,7 @@ class LaunchedServer:
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"launched-{self.port}.log"
         self.log = open(self.log_path, "w+")
         self.process = subprocess.Popen(
-            _launch_command(*serve), stdout=self.log, stderr=subprocess.STDOUT,
+            _launch_command(*serve, avoid=(self.port,)), stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
         )  # fmt: skip
         if wait_until_ready(self.url, self.process, ready_timeout):
@@ -165,7 +184,8 @@ class LaunchedServer:
         raise RuntimeError("distributed server did not become ready:\n" + self.text())
 
     def text(self) -> str:
-        self.log.flush()
+        if not self.log.closed:  # after stop() the file is closed, and its text is all there
+            self.log.flush()
         return self.log_path.read_text()
 
     def follower_pid(self) -> int:
@@ -188,7 +208,7 @@ def _single_server_answers(prompt: str, chat: list[dict]) -> tuple:
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
-        assert wait_until_ready(url, process, 60), "the single-process server did not start"
+        assert wait_until_ready(url, process, 180), "the single-process server did not start"
         return _answers(url, prompt, chat)
     finally:
         process.kill()

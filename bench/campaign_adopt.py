@@ -5,7 +5,8 @@ the live one. Weights, config and training state come from the arm; the live sit
 the arm's sittings (and the `campaign grow` it began with, if any: more layers or taps, which
 keep the predictions), annotated with NOTE, the first sitting also with what the arm retuned
 (the recipe's retunable fields that differ from the live state's). An arm that changed any
-other recipe field (the data cut, say) is refused by name: the campaign could not have retuned it.
+other recipe field (the data cut, say; the layer count unless a grow says so) is refused by
+name: the campaign could not have retuned it.
 
     python bench/campaign_adopt.py ARM_DIR LIVE_DIR NOTE
 """
@@ -38,13 +39,16 @@ def adopt(arm: Path, live: Path, note: str) -> dict:
     state = _read(arm / "training/state.json")
     after = state["recipe"]
     changed = {k: [before.get(k), after.get(k)] for k in after if before.get(k) != after.get(k)}
-    fixed = sorted(k for k in changed if k not in RETUNABLE)
+    # `campaign grow --layers` changes the recipe's layer count, and its log entry says so
+    grown = any(s.get("stage") == "grow" and "layers" in s for s in legs)
+    fixed = sorted(k for k in changed if k not in RETUNABLE and not (k == "layers" and grown))
     if fixed:
         raise SystemExit(f"the arm changed {', '.join(fixed)}, which a campaign cannot retune")
     for leg in legs:
         leg["note"] = note
-    if changed:
-        next(s for s in legs if s.get("stage") == "sitting")["retuned"] = changed
+    retuned = {k: v for k, v in changed.items() if k in RETUNABLE}
+    if retuned:
+        next(s for s in legs if s.get("stage") == "sitting")["retuned"] = retuned
     for name in ("model.safetensors", "config.json", "draft_vocab.safetensors"):
         shutil.copy2(arm / name, live / name)
     (live / "training/sittings.json").write_text(json.dumps(live_log + legs, indent=1) + "\n")

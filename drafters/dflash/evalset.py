@@ -81,7 +81,7 @@ def measure(
     """Per kind: tokens a step of the greedy loop replayed (`tau_loop`), the mean over anchors
     (`tau`), and the held-out loss; `tau_loop_mean` averages the kinds, as `campaign eval`."""
     trainer = campaign.trainer_for(target, drafter_dir, cache_root)
-    state, depth = trainer.state, campaign.read_config(drafter_dir).block_size - 1
+    state, depth = trainer.state, trainer.model.config.block_size - 1
     by_kind: dict[str, dict[str, Any]] = {}
     for kind in sorted({r["kind"] for r in records}):
         sequences = campaign.to_sequences(

@@ -47,7 +47,6 @@ def grown_config(config: DFlashConfig, layers: int) -> DFlashConfig:
 def grow_layers(model: DFlashDraftModel, layers: int) -> DFlashDraftModel:
     """A new drafter with `layers` layers whose outputs equal `model`'s (see the module doc)."""
     config = grown_config(model.config, layers)
-    grown = DFlashDraftModel(config)
     weights = dict(tree_flatten(model.parameters()))
     prefix = f"layers.{model.config.num_hidden_layers - 1}."
     last = {name[len(prefix) :]: v for name, v in weights.items() if name.startswith(prefix)}
@@ -55,6 +54,12 @@ def grow_layers(model: DFlashDraftModel, layers: int) -> DFlashDraftModel:
         for part, value in last.items():
             zeroed = part.endswith(ZEROED)
             weights[f"layers.{index}.{part}"] = mx.zeros_like(value) if zeroed else value
+    return _drafter_with(config, weights)
+
+
+def _drafter_with(config: DFlashConfig, weights: dict[str, mx.array]) -> DFlashDraftModel:
+    """A drafter of `config` holding exactly `weights` (every parameter, evaluated)."""
+    grown = DFlashDraftModel(config)
     grown.load_weights(list(weights.items()), strict=True)
     mx.eval(grown.parameters())
     return grown
@@ -87,9 +92,6 @@ def grow_taps(model: DFlashDraftModel, taps: list[int]) -> DFlashDraftModel:
             blocks.append(old_fc[:, i * hidden : (i + 1) * hidden])
         else:
             blocks.append(mx.zeros((old_fc.shape[0], hidden), dtype=old_fc.dtype))
-    grown = DFlashDraftModel(config)
     weights = dict(tree_flatten(model.parameters()))
     weights["fc.weight"] = mx.concatenate(blocks, axis=1)
-    grown.load_weights(list(weights.items()), strict=True)
-    mx.eval(grown.parameters())
-    return grown
+    return _drafter_with(config, weights)

@@ -30,6 +30,38 @@ def test_swiglu_equals_silu_times_x():
     assert mx.allclose(cpu_kernels.swiglu(gate, x), expected, rtol=1e-5, atol=1e-6).item()
 
 
+def test_softmax_and_swiglu_carry_mlx_gradients():
+    """Training differentiates them (`fast_exp`'s integer bit tricks have no gradient of their
+    own): values and gradients equal MLX's softmax and silu to float32 rounding."""
+    mx.random.seed(3)
+    scores, weights = mx.random.normal((3, 5, 40)) * 4, mx.random.normal((3, 5, 40))
+    scores = mx.where(mx.arange(40) < 33, scores, mx.finfo(mx.float32).min)  # masked keys
+
+    def through(softmax):
+        return mx.value_and_grad(lambda s: (softmax(s) * weights).sum())(scores)
+
+    (value, grad), (expected_value, expected_grad) = (
+        through(cpu_kernels.softmax),
+        through(lambda s: mx.softmax(s, axis=-1, precise=True)),
+    )
+    assert abs(value.item() - expected_value.item()) < 1e-5
+    assert mx.allclose(grad, expected_grad, rtol=1e-5, atol=1e-7).item()
+    assert mx.abs(cpu_kernels.softmax(scores)[..., 33:]).max().item() < 1e-30
+
+    gate, x, w = (
+        mx.random.normal((4, 300)) * 6,
+        mx.random.normal((4, 300)),
+        mx.random.normal((4, 300)),
+    )
+    grads = mx.grad(lambda g, y: (cpu_kernels.swiglu(g, y) * w).sum(), argnums=(0, 1))(gate, x)
+    expected = mx.grad(lambda g, y: (nn.silu(g) * y * w).sum(), argnums=(0, 1))(gate, x)
+    for got, want in zip(grads, expected):
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+    # Mutation check: the plain sigmoid as silu's derivative (a likely slip) is caught.
+    wrong = w * x / (1.0 + mx.exp(-gate))
+    assert not mx.allclose(wrong, expected[0], rtol=1e-5, atol=1e-6).item()
+
+
 def _qkv(B: int, H: int, KV: int, L: int, T: int, D: int = 32):
     mx.random.seed(B * 1000 + L * 10 + T)
     return (mx.random.normal((B, H, L, D)), mx.random.normal((B, KV, T, D)),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import factories
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -131,6 +132,38 @@ def test_training_forward_matches_inference(qwen3_target_dir: Path, vocab_size: 
         proposal = drafter.propose([session], [int(tokens[a])], [5])
         drafter.close(session)
         assert proposal.tokens[0].tolist() == trained_tokens[n].tolist()
+
+
+def test_a_training_step_on_cpu_kernels_equals_the_stock_step(
+    qwen3_target_dir: Path, vocab_size: int, monkeypatch
+):
+    """On the CPU backend training runs attention softmax and SwiGLU on a vectorised exp
+    (`train.use_cpu_kernels`): the same target features, loss and gradients as MLX's own."""
+    monkeypatch.setattr("engine.backend.cpu_kernels.wanted", lambda: True)
+    config = factories.drafter_config(vocab_size, block_size=6, target_layer_ids=LAYER_IDS)
+    tokens = np.random.default_rng(2).integers(3, vocab_size, size=40).astype(np.int32)
+    anchors = np.array([0, 7, 19, 30])
+    results = []
+    for kernels in (False, True):
+        target = TargetAdapter(load_target_model(qwen3_target_dir)[0], LAYER_IDS)
+        mx.random.seed(5)
+        draft = DFlashDraftModel(config)
+        if kernels:
+            train.use_cpu_kernels(target, draft)
+            assert target.cpu_kernels and draft.layers[0].mlp.cpu_kernels
+        features = train.target_features(target, tokens)
+        blocks = train.make_blocks(tokens, anchors, 6, config.mask_token_id, gamma=4.0)
+        loss_and_grad = nn.value_and_grad(
+            draft, lambda f, b, d=draft, t=target: train.block_loss(d, t, f, b)
+        )
+        (loss, _), grads = loss_and_grad(features, blocks)
+        results.append((features, loss.item(), dict(tree_flatten(grads))))
+    (stock_features, stock_loss, stock_grads), (features, loss, grads) = results
+    assert mx.allclose(features, stock_features, rtol=1e-4, atol=1e-4).item()
+    assert abs(loss - stock_loss) < 1e-4 * abs(stock_loss)
+    assert grads.keys() == stock_grads.keys()
+    for name, grad in grads.items():
+        assert mx.allclose(grad, stock_grads[name], rtol=1e-3, atol=1e-6).item(), name
 
 
 # ------------------------------------------------------------------ data and training loop

@@ -83,6 +83,7 @@ from drafters.dflash.train import (
     make_blocks,
     sample_anchors,
     shared_prefix_lengths,
+    use_cpu_kernels,
 )
 from drafters.dflash.vocab import D2T_KEY, DraftHead, choose_draft_vocab, read_draft_vocab, to_d2t
 from engine.step.target import TargetAdapter
@@ -376,6 +377,7 @@ class Trainer:
             raise ValueError(
                 f"train_block {self.recipe.train_block} must lie in [2, {self.recipe.block_size}]"
             )
+        use_cpu_kernels(target, model)
         self.optimizer = optim.AdamW(
             learning_rate=self.recipe.lr, weight_decay=self.recipe.weight_decay
         )
@@ -655,7 +657,9 @@ def load_target(name: str, layer_ids: list[int] | None, layers: int) -> tuple[Ta
     if layer_ids is None:
         raw = json.loads((target_dir / "config.json").read_text())
         layer_ids = default_target_layer_ids(int(raw["num_hidden_layers"]), layers)
-    return TargetAdapter(model, list(layer_ids)), target_dir
+    target = TargetAdapter(model, list(layer_ids))
+    use_cpu_kernels(target, None)
+    return target, target_dir
 
 
 def trainer_for(target_name: str, drafter_dir: Path, cache_root: Path = CACHE_ROOT) -> Trainer:

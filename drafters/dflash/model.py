@@ -129,8 +129,8 @@ class DFlashDraftModel(nn.Module):
         return [RaggedKVCache(batch_size) for _ in self.layers]
 
     def use_cpu_kernels(self) -> None:
-        """Attention and SwiGLU on `engine.backend.cpu_kernels` (inference on the CPU backend;
-        training keeps MLX's, which it differentiates)."""
+        """Attention and SwiGLU on `engine.backend.cpu_kernels` (the CPU backend; their softmax
+        and SwiGLU carry their own gradients, so training uses them too)."""
         for layer in self.layers:
             layer.self_attn.cpu_kernels = layer.mlp.cpu_kernels = True
 

@@ -49,6 +49,7 @@ from drafters.dflash.config import DFlashConfig, default_target_layer_ids
 from drafters.dflash.features import FeatureStore
 from drafters.dflash.model import DFlashAttention, DFlashDraftModel
 from drafters.dflash.vocab import DraftHead, choose_draft_vocab, read_draft_vocab
+from engine.backend import cpu_kernels
 from engine.step.target import TargetAdapter
 
 log = logging.getLogger(__name__)
@@ -318,7 +319,11 @@ def block_attention(
     block_scores = (q @ k.swapaxes(-1, -2)).reshape(n, kv, rep, b, b)
     scores = mx.concatenate([context_scores.transpose(2, 0, 1, 3, 4), block_scores], axis=-1)
     scores = mx.where(mask[:, :, None], scores, mx.finfo(scores.dtype).min)
-    probs = mx.softmax(scores, axis=-1, precise=True)  # [N, kv, rep, B, S + B]
+    # [N, kv, rep, B, S + B]; on the CPU backend on a vectorised exp (MLX's goes one at a time)
+    if attn.cpu_kernels:
+        probs = cpu_kernels.softmax(scores)
+    else:
+        probs = mx.softmax(scores, axis=-1, precise=True)
 
     context_probs = probs[..., :seq_len].transpose(1, 2, 0, 3, 4).reshape(kv, rep * n * b, seq_len)
     out = (context_probs @ context_values).reshape(kv, rep, n, b, hd).transpose(2, 0, 1, 3, 4)
@@ -553,6 +558,20 @@ class TrainResult:
     history: list[tuple[int, float, float]] = field(default_factory=list)  # step, loss, acc
 
 
+def use_cpu_kernels(target: TargetAdapter | None, model: DFlashDraftModel | None) -> None:
+    """On the CPU backend, the target's feature forwards and the drafter's training step run
+    attention and SwiGLU on `engine.backend.cpu_kernels` (a vectorised exp; same values to
+    float32 rounding): MLX's exp there goes one element at a time. Elsewhere, nothing."""
+    if not cpu_kernels.wanted():
+        return
+    if target is not None and not target.cpu_kernels:
+        reason = target.use_cpu_kernels()
+        if reason:
+            log.info("target keeps MLX's attention: %s", reason)
+    if model is not None:
+        model.use_cpu_kernels()
+
+
 def train(
     target: TargetAdapter,
     sequences: list[TrainSequence],
@@ -579,6 +598,7 @@ def train(
     sequences = _usable(sequences, config)
     if not sequences:
         raise ValueError("no training sequence has a label to predict")
+    use_cpu_kernels(target, model)
     block_size = model.config.block_size
     gamma = config.gamma or default_gamma(block_size)
     draft_vocab = training_draft_vocab(config, sequences, target.vocab_size)

@@ -66,9 +66,43 @@ def _softmax_where(scores: mx.array, mask: mx.array) -> mx.array:
 
 
 @mx.compile
-def swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    """silu(gate) * x (mlx-lm's `swiglu`) on `fast_exp`."""
+def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return gate * x / (1.0 + fast_exp(-gate))
+
+
+@mx.compile
+def _swiglu_grads(gate: mx.array, x: mx.array, grad: mx.array) -> tuple[mx.array, mx.array]:
+    s = 1.0 / (1.0 + fast_exp(-gate))  # d silu(g) / dg = s * (1 + g * (1 - s))
+    return grad * x * s * (1.0 + gate * (1.0 - s)), grad * gate * s
+
+
+@mx.custom_function
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """silu(gate) * x (mlx-lm's `swiglu`) on `fast_exp`; differentiable (training uses it)."""
+    return _swiglu(gate, x)
+
+
+@swiglu.vjp
+def _swiglu_vjp(primals: tuple, grad: mx.array, output: mx.array) -> tuple[mx.array, mx.array]:
+    # The integer bit tricks inside `fast_exp` have no gradient of their own: spell it out.
+    return _swiglu_grads(*primals, grad)
+
+
+@mx.compile
+def _softmax_grad(probs: mx.array, grad: mx.array) -> mx.array:
+    return probs * (grad - (grad * probs).sum(axis=-1, keepdims=True))
+
+
+@mx.custom_function
+def softmax(scores: mx.array) -> mx.array:
+    """Softmax over the last axis on `fast_exp` (float32); differentiable. A score of -inf or
+    the float32 minimum gets a probability of at most 1e-37 times its row's largest, not 0."""
+    return _softmax(scores)
+
+
+@softmax.vjp
+def _softmax_vjp(primals: tuple, grad: mx.array, output: mx.array) -> mx.array:
+    return _softmax_grad(output, grad)
 
 
 def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None):

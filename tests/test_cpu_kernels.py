@@ -79,6 +79,7 @@ def test_attention_equals_mlx_sdpa_for_every_mask_kind(monkeypatch, block_scores
     additive one, with grouped-query heads; with one block and with many query blocks."""
     monkeypatch.setattr(cpu_kernels, "_BLOCK_SCORES", block_scores)
     monkeypatch.setattr(cpu_kernels, "_FUSED_SCORES", 0)  # small shapes too, not MLX's
+    monkeypatch.setattr(cpu_kernels, "_FUSED_SCORES_QUERIES", 0)
     B, H, KV, L, T = shape
     q, k, v = _qkv(B, H, KV, L, T)
     lengths = [T - L - (3 * b) % max(1, T - L) for b in range(B)]
@@ -96,6 +97,7 @@ def test_a_causal_block_that_sees_a_later_key_fails_the_comparison(monkeypatch):
     """Mutation check: attending one key too far (the bug blocking could bring) is caught."""
     monkeypatch.setattr(cpu_kernels, "_BLOCK_SCORES", 1 << 10)
     monkeypatch.setattr(cpu_kernels, "_FUSED_SCORES", 0)
+    monkeypatch.setattr(cpu_kernels, "_FUSED_SCORES_QUERIES", 0)
     q, k, v = _qkv(1, 6, 2, 90, 200)
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask="causal")
     leaky = mx.arange(200)[None, :] <= (mx.arange(90) + 111)[:, None]  # one key too many

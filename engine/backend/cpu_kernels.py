@@ -30,8 +30,11 @@ _LOG2E = 1.4426950408889634
 _POLY = [math.log(2) ** i / math.factorial(i) for i in range(8)]  # 2**f = sum c_i f**i
 # Scores per query block: 2**18 float32 (1 MB) was fastest on the 2-core machine (64k-1M tried).
 _BLOCK_SCORES = 1 << 18
-# Up to this many scores (one request's decode step) MLX's fused attention is as fast.
+# Up to this many scores MLX's fused attention is as fast: one query a row (a decode step),
+# up to 2**14; several (a verify of drafted tokens), only up to 2**12, since MLX's path for
+# them runs its slow exp (2-core machine, 9 heads: 1.2-2x slower at 4.5k-30k scores).
 _FUSED_SCORES = 1 << 14
+_FUSED_SCORES_QUERIES = 1 << 12
 
 
 def wanted() -> bool:
@@ -133,7 +136,7 @@ def attention(
     causal = isinstance(mask, str)
     if causal and mask != "causal":
         raise ValueError(f"unknown attention mask {mask!r}")
-    if B * H * L * T <= _FUSED_SCORES:  # few scores: one fused op beats several small ones
+    if B * H * L * T <= (_FUSED_SCORES if L == 1 else _FUSED_SCORES_QUERIES):  # few scores
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     block = max(16, _BLOCK_SCORES // max(1, B * H * T))
     if L <= block:

@@ -149,3 +149,30 @@ def test_a_fit_on_the_store_equals_a_fit_on_features_in_memory(
         [loss for _, loss, _ in in_memory.history],
         rtol=1e-3,
     )
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 300])  # whole blocks, a padded last one, few
+def test_top_k_ids_are_the_k_largest_and_log_probs_are_normalised_over_the_vocabulary(vocab):
+    """The block-wise top-k (`top_k_ids`) against a full sort, with ties (rounded logits) and
+    the largest entries crowded into one block; log-probs against numpy's log-softmax."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng(vocab)
+    logits = np.round(rng.normal(size=(3, 5, vocab)) * 3, 1).astype(np.float32)
+    logits[0, 0, 128:136] = 50.0 + np.arange(8)  # the top 8 in one block of 64
+    k = 8
+    ids = np.array(feature_store.top_k_ids(mx.array(logits), k))
+    kth = -np.sort(-logits, axis=-1)[..., k - 1 : k]
+    chosen = np.take_along_axis(logits, ids, axis=-1)
+    assert (
+        ids.shape == (3, 5, k) and (np.sort(ids, -1)[..., 1:] != np.sort(ids, -1)[..., :-1]).all()
+    )
+    assert (chosen >= kth).all()  # k distinct entries, none below the k-th largest
+    assert sorted(ids[0, 0].tolist()) == list(range(128, 136))
+
+    top_ids, top_logp = feature_store.top_k_logprobs(mx.array(logits), k)
+    shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    np.testing.assert_allclose(top_logp, np.take_along_axis(logp, top_ids, -1), atol=1e-4)
+    np.testing.assert_allclose(top_logp, -np.sort(-logp, axis=-1)[..., :k], atol=1e-4)
+    assert (np.diff(top_logp, axis=-1) <= 0).all()  # descending

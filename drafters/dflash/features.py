@@ -2,7 +2,8 @@
 
 Training reads every sequence's features once an epoch, and the target never changes, so
 they are computed once. On a CPU that is the longest part of a fit (SmolLM2: ~3.4 ms a token
-one sequence at a time, an hour for a million tokens), so this module
+one sequence at a time, an hour for a million tokens, before the target ran on the CPU
+kernels and the top-k below took its block-wise path: 1.74x faster since), so this module
 
 - batches sequences of similar length into one forward (right padding does not change the
   features of real positions under a causal mask; ~20% faster on SmolLM2 at 8 rows);

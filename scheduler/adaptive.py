@@ -534,12 +534,20 @@ class AdaptiveDepthPolicy:
                                 "reason": "measured_slower"}  # fmt: skip
             self.parked_reasons = dict.fromkeys((r.request_id for r in requests), "measured_slower")
             return {r.request_id: 0 for r in requests}, {}
+        arrived = [r.request_id for r in requests if r.request_id not in self.acceptance.group_of]
         for r in requests:
-            if r.request_id not in self.acceptance.group_of:  # new: join its group's prior
+            if r.request_id in arrived:  # new: join its group's prior
                 group = acceptance_group(r.params.temperature)
                 for model in self.models.values():
                     model.enroll(r.request_id, group)
         caps = {r.request_id: self._caps(r, options[r.request_id]) for r in requests}
+        # A new request's own acceptance is unknown: the backoff its predecessors earned for a
+        # source (up to PROBE_MAX steps) must not keep it from being tried. The budget floor
+        # still spaces the probes (`probe_floor`), and the probe takes the rows that drafted
+        # least recently, the new one first.
+        for rid in arrived:
+            for source in caps[rid]:
+                self._probe_interval[source] = PROBE_START
         self._usable = {s for cap in caps.values() for s in cap}
         self._probed_sources |= self._usable
         max_depth = max((c for cap in caps.values() for c in cap.values()), default=0)

@@ -541,13 +541,17 @@ class AdaptiveDepthPolicy:
                 for model in self.models.values():
                     model.enroll(r.request_id, group)
         caps = {r.request_id: self._caps(r, options[r.request_id]) for r in requests}
-        # A new request's own acceptance is unknown: the backoff its predecessors earned for a
-        # source (up to PROBE_MAX steps) must not keep it from being tried. The budget floor
-        # still spaces the probes (`probe_floor`), and the probe takes the rows that drafted
-        # least recently, the new one first.
-        for rid in arrived:
-            for source in caps[rid]:
-                self._probe_interval[source] = PROBE_START
+        # Lookup pays for the requests that copy, whatever the ones before did: a new request
+        # with a match resets lookup's backoff (up to PROBE_MAX steps, earned by its
+        # predecessors), so it is tried as soon as the budget floor allows, the new row first
+        # (`_probe_rows`). (At c=1 on SmolLM2, editing requests after chat and completion ones
+        # waited out that backoff without one lookup draft in two rounds of three.) DFlash keeps
+        # its backoff: its acceptance varies less from request to request, and its probe pays
+        # the drafter forward and the prompt's catch-up (reset on arrival too, c=1 chat ran 5%
+        # slower than drafting off). One lookup probe per request at once, outside the floor,
+        # did worse: a request whose first probe missed was parked for the rest of it.
+        if any(LOOKUP in caps[rid] for rid in arrived):
+            self._probe_interval[LOOKUP] = PROBE_START
         self._usable = {s for cap in caps.values() for s in cap}
         self._probed_sources |= self._usable
         max_depth = max((c for cap in caps.values() for c in cap.values()), default=0)

@@ -51,19 +51,20 @@
   F(R) - F(R - E), E being its expected committed tokens per row. A plain step is worth a
   whole plain step, and so is every row's extra token. One extra token for one of 8 rows in
   lockstep is worth only m(8), which on this CPU is next to nothing.
-- **Exploration and recovery.** Until a larger E has been measured the controller tries at
-  most twice the largest measured one, or one position per row if that is more (with nobody
-  waiting, drafting for every row may be the only choice that pays). While parked it probes
-  with exponential backoff (4, 8, ... 512 steps without drafting from a source; one backoff
-  per source, so lookup drafting now and then neither resets nor blocks the re-trying of
-  DFlash); a probe drafts one position for a few rows (those that drafted least recently),
-  so it costs a few packed positions, not a batch-wide width. The backoff never goes below
-  what keeps probing within PROBE_BUDGET (2%) of the time at the measured costs: a probe
-  that costs half a plain step (a drafter forward and an attention group of its own, on the
-  bundled pair at 8 rows) comes at most every 25 steps; one that costs a tenth of a step
-  (SmolLM2 at 8 rows) leaves the backoff to decide. (At 3% the probes alone could take all
-  of "never slower"'s allowance where nothing pays; at 1% a batch whose noisy acceptance
-  estimates parked it wrongly took hundreds of steps to find drafting again.)
+- **Exploration and recovery.** Until a larger E has been measured the controller tries at most
+  twice the largest measured one, or one position per row if that is more (with nobody waiting,
+  drafting for every row may be the only choice that pays). While parked it probes with
+  exponential backoff (4, 8, ... 512 steps without drafting from a source; one backoff per source,
+  so lookup drafting now and then neither resets nor blocks the re-trying of DFlash; a new request
+  with a lookup match resets lookup's, since whether lookup pays depends on whether that request
+  copies); a probe drafts one position for a few rows (those that drafted least recently), so it
+  costs a few packed positions, not a batch-wide width. The backoff never goes below what keeps
+  probing within PROBE_BUDGET (2%) of the time at the measured costs: a probe that costs half a
+  plain step (a drafter forward and an attention group of its own, on the bundled pair at 8 rows)
+  comes at most every 25 steps; one that costs a tenth of a step (SmolLM2 at 8 rows) leaves the
+  backoff to decide. (At 3% the probes alone could take all of "never slower"'s allowance where
+  nothing pays; at 1% a batch whose noisy acceptance estimates parked it wrongly took hundreds of
+  steps to find drafting again.)
 - **Draft sources.** A row may draft from DFlash or from prompt lookup (`scheduler.sources`);
   acceptance is modelled per request *and per source* (one `AcceptanceModel` each). Every
   row takes the source with the most expected tokens, and every choice is priced twice: with

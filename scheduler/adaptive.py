@@ -535,22 +535,18 @@ class AdaptiveDepthPolicy:
                                 "reason": "measured_slower"}  # fmt: skip
             self.parked_reasons = dict.fromkeys((r.request_id for r in requests), "measured_slower")
             return {r.request_id: 0 for r in requests}, {}
-        arrived = [r.request_id for r in requests if r.request_id not in self.acceptance.group_of]
+        arrived = []
         for r in requests:
-            if r.request_id in arrived:  # new: join its group's prior
+            if r.request_id not in self.acceptance.group_of:  # new: join its group's prior
+                arrived.append(r.request_id)
                 group = acceptance_group(r.params.temperature)
                 for model in self.models.values():
                     model.enroll(r.request_id, group)
         caps = {r.request_id: self._caps(r, options[r.request_id]) for r in requests}
         # Lookup pays for the requests that copy, whatever the ones before did: a new request
-        # with a match resets lookup's backoff (up to PROBE_MAX steps, earned by its
-        # predecessors), so it is tried as soon as the budget floor allows, the new row first
-        # (`_probe_rows`). (At c=1 on SmolLM2, editing requests after chat and completion ones
-        # waited out that backoff without one lookup draft in two rounds of three.) DFlash keeps
-        # its backoff: its acceptance varies less from request to request, and its probe pays
-        # the drafter forward and the prompt's catch-up (reset on arrival too, c=1 chat ran 5%
-        # slower than drafting off). One lookup probe per request at once, outside the floor,
-        # did worse: a request whose first probe missed was parked for the rest of it.
+        # with a match resets lookup's backoff (earned by its predecessors), so it is tried as
+        # soon as the budget floor allows, its row first (`_probe_rows`). DFlash keeps its
+        # backoff: its probe pays a drafter forward and the prompt's catch-up (README, "probes").
         if any(LOOKUP in caps[rid] for rid in arrived):
             self._probe_interval[LOOKUP] = PROBE_START
         self._usable = {s for cap in caps.values() for s in cap}

@@ -57,8 +57,10 @@
   exponential backoff (4, 8, ... 512 steps without drafting from a source; one backoff per source,
   so lookup drafting now and then neither resets nor blocks the re-trying of DFlash; a new request
   with a lookup match resets lookup's, since whether lookup pays depends on whether that request
-  copies); a probe drafts one position for a few rows (those that drafted least recently), so it
-  costs a few packed positions, not a batch-wide width. The backoff never goes below what keeps
+  copies, and where the never-slower guard holds the batch it is told to the guard, which may
+  measure drafting at once: `scheduler.guard`); a probe drafts one position for a few rows
+  (those that drafted least recently), so it costs a few packed positions, not a batch-wide
+  width. The backoff never goes below what keeps
   probing within PROBE_BUDGET (2%) of the time at the measured costs: a probe that costs half a
   plain step (a drafter forward and an attention group of its own, on the bundled pair at 8 rows)
   comes at most every 25 steps; one that costs a tenth of a step (SmolLM2 at 8 rows) leaves the
@@ -505,6 +507,7 @@ class AdaptiveDepthPolicy:
         self._steps = 0
         self._last_drafted: dict[str, int] = {}  # request id -> step it last drafted
         self._active: set[str] = set()
+        self._joined_held: set[str] = set()  # requests that joined while the guard held (told it)
         # A loop-measured drafting step waiting for the next step's cadence (see _observe_cost)
         self._pending_draft: tuple[tuple[int, int, int, bool], float] | None = None
         self._last_batch = 1
@@ -515,6 +518,25 @@ class AdaptiveDepthPolicy:
         self.last_sources: dict[str, str] = {}
 
     # ----------------------------------------------------------------- DepthPolicy
+    def observe_batch(self, requests: list[Request]) -> None:
+        """The rows about to be planned (before `holds_drafting` is asked). Where the guard
+        holds this batch size, each request new to it with a prompt-lookup match is told to
+        the guard, which then may measure drafting at once (`DraftingGuard.note_copying_request`:
+        a hold earned on other traffic must not park a request that copies)."""
+        if not self.holds_drafting(len(requests)):
+            return
+        for r in requests:
+            rid = r.request_id
+            if rid in self._joined_held or rid in self.acceptance.group_of:
+                continue  # told already, or enrolled while drafting was free
+            self._joined_held.add(rid)
+            params = r.params
+            may_copy = params.num_speculative_tokens != 0 and (
+                params.draft_sources is None or LOOKUP in params.draft_sources
+            )
+            if r.lookup_match and may_copy:
+                self.guard.note_copying_request(len(requests))
+
     def choose(self, requests: list[Request], max_depth: int) -> dict[str, int]:
         """Depths when DFlash is the only source (the plain `DepthPolicy` interface)."""
         options = DraftOptions((DFLASH,), 0, {DFLASH: max_depth}) if max_depth else DraftOptions(())
@@ -688,6 +710,7 @@ class AdaptiveDepthPolicy:
             for model in self.models.values():
                 model.forget(request_id)
             self._last_drafted.pop(request_id, None)
+            self._joined_held.discard(request_id)
         self._active = set(result.outcomes)
 
     # ----------------------------------------------------------------- internals

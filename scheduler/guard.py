@@ -26,6 +26,15 @@ changes is noticed and a losing arm costs at most a few percent of its loss. Whe
 wins clearly (CLEAR_WIN), held decoding is not measured at all: it could not catch up, and
 each held epoch would cost the drafting's whole gain for its length.
 
+A held octave also measures drafting at once when the traffic turns to copying. The
+controller tells the guard of every request that joins a held batch with a prompt-lookup
+match at its first step (the match the runner works out at prefill; while held it asks for
+no other), and once those add up to the whole batch (one request at c=1, eight at 8 rows)
+the held epoch under way is dropped and a free one starts. Drafting that lost on chat may win
+twice over on editing: at c=1 on SmolLM2 a hold earned on chat and completion parked three
+editing requests of four before its gap was up. A large batch turns over more slowly than
+the gap comes round, so there this changes little.
+
 An octave seen for the first time above one where held decoding won starts held: a larger
 batch is more compute-bound, so drafting there only loses more, and a free first epoch would
 pay that loss before anything is learned. It measures drafting after MIN_EXPLORE_GAP held
@@ -70,6 +79,9 @@ class _Arms:
     gap: int = MIN_EXPLORE_GAP  # winner epochs before the loser is measured again
     since_explore: int = 0  # winner epochs since the loser's last one
     exploring: bool = False  # the current epoch re-measures the losing arm
+    # Requests with a lookup match that joined since drafting was last measured, as a share
+    # of the batch they joined (see the module docstring).
+    turnover: float = 0.0
 
     def held_won(self) -> bool:
         """Both arms measured and held decoding the faster."""
@@ -78,7 +90,15 @@ class _Arms:
     def _free_wins(self) -> bool:
         return self.speed.get(FREE, 0.0) >= FREE_MARGIN * self.speed[HELD]
 
+    def measure_drafting_now(self) -> None:
+        """Drop the held epoch under way and run a free one, as a re-measure of the loser."""
+        self.work = self.seconds = 0.0
+        self.steps = 0
+        self.arm, self.exploring, self.turnover = FREE, True, 0.0
+
     def close_epoch(self) -> None:
+        if self.arm == FREE:  # drafting was just measured: count copying arrivals afresh
+            self.turnover = 0.0
         speed = self.work / self.seconds if self.seconds > 0 else None
         self.work = self.seconds = 0.0
         self.steps = 0
@@ -138,6 +158,17 @@ class DraftingGuard:
         if arms is None:
             arms = self.arms[bucket] = _Arms(arm=self._first_arm(bucket))
         return arms
+
+    def note_copying_request(self, batch: int) -> None:
+        """A request with a prompt-lookup match joined `batch` decoding rows held plain. Once
+        such requests add up to the whole batch, drafting is measured at once (see the module
+        docstring); a held epoch that re-measures plain is left to finish."""
+        arms = self._arms(self.bucket(batch))
+        if arms.arm != HELD or arms.exploring:
+            return
+        arms.turnover += 1.0 / max(batch, 1)
+        if arms.turnover >= 1.0 - 1e-9:
+            arms.measure_drafting_now()
 
     def observe(self, batch: int, tokens: int, plain_seconds: float, clean: bool) -> None:
         """One step ended: `tokens` committed by `batch` decoding rows; `plain_seconds` is the

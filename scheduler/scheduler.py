@@ -196,6 +196,9 @@ class Scheduler:
             observe_queue = getattr(self.policy, "observe_queue", None)
             if observe_queue is not None:  # what a token is worth depends on who waits
                 observe_queue(len(self.waiting))
+            observe_batch = getattr(self.policy, "observe_batch", None)
+            if observe_batch is not None:  # a new row may end a hold (`AdaptiveDepthPolicy`)
+                observe_batch(self.running)
             # Held: the policy drafts for no row, so no row's options are worked out and
             # the runner leaves lookup matches unasked (see `StepPlan.match_lookup`).
             held = self._drafting_held()

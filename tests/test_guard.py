@@ -20,7 +20,7 @@ from scheduler.guard import (
     DraftingGuard,
 )
 from scheduler.plan import RowOutcome, StepResult
-from scheduler.request import Request
+from scheduler.request import Request, RequestStatus
 
 PLAIN = 0.010  # the cost model's plain step (seconds)
 
@@ -224,3 +224,148 @@ async def test_in_the_engine_the_guard_measures_both_arms_and_output_stays_exact
     arms = engine._policy.guard.arms[DraftingGuard.bucket(8)]
     assert FREE in arms.speed and (HELD in arms.speed or arms.speed[FREE] >= CLEAR_WIN)
     assert all(0.2 < speed < 5.0 for speed in arms.speed.values())
+
+
+def _hold_at(guard: DraftingGuard, clock: Clock, batch: int) -> None:
+    """Play epochs where drafting loses until `batch`'s octave is held with a long gap."""
+    play(guard, clock, batch, free=(1.0, 0.012), held=(1.0, 0.010), steps=EPOCH_STEPS * 30)
+    arms = guard.arms[guard.bucket(batch)]
+    for _ in range(EPOCH_STEPS * 20):  # stop inside a held epoch of the winner
+        if arms.arm == HELD and not arms.exploring:
+            break
+        play(guard, clock, batch, free=(1.0, 0.012), held=(1.0, 0.010), steps=1)
+    assert arms.gap == MAX_EXPLORE_GAP
+
+
+def test_copying_requests_that_turn_a_held_batch_over_have_drafting_measured_at_once():
+    """Drafting lost (on chat, say), so the octave is held and would re-measure it only after
+    MAX_EXPLORE_GAP epochs. Requests that copy (a lookup match at their first step) then
+    join: once they add up to the whole batch, a free epoch starts at once; if drafting now
+    wins it stays on, and if it loses again the hold returns."""
+    clock = Clock()
+    guard = DraftingGuard(clock, epoch_seconds=0.0)
+    _hold_at(guard, clock, 1)
+    held_epochs = guard.arms[0].speed[HELD]
+    guard.note_copying_request(1)  # c=1: one request is the whole batch
+    assert guard.allows_drafting(1) and guard.arms[0].steps == 0  # the held epoch dropped
+    assert guard.arms[0].speed[HELD] == held_epochs
+    arms = play(guard, clock, 1, free=(2.0, 0.012), held=(1.0, 0.010), steps=EPOCH_STEPS * 8)
+    assert all(arms)  # editing: drafting wins clearly and stays on
+
+    _hold_at(guard, clock, 8)
+    for _ in range(7):  # seven of eight rows turned over: not yet
+        guard.note_copying_request(8)
+        assert not guard.allows_drafting(8)
+    guard.note_copying_request(8)
+    assert guard.allows_drafting(8)
+    arms = play(guard, clock, 8, free=(1.0, 0.012), held=(1.0, 0.010), steps=EPOCH_STEPS)
+    assert not guard.allows_drafting(8)  # lost again: held, and counted afresh
+    assert guard.arms[3].turnover == 0.0
+
+
+def test_a_held_epoch_that_re_measures_plain_is_not_cut_short_by_copying_requests():
+    clock = Clock()
+    guard = DraftingGuard(clock, epoch_seconds=0.0)
+    wins = (2.0, 0.0182)  # 1.1 plain steps' worth a step: a win, not a clear one
+    play(guard, clock, 1, free=wins, held=(1.0, 0.010), steps=EPOCH_STEPS * 4)
+    arms = guard.arms[0]
+    for _ in range(EPOCH_STEPS * 20):  # drafting wins; plain is re-measured now and then
+        if arms.arm == HELD and arms.exploring:
+            break
+        play(guard, clock, 1, free=wins, held=(1.0, 0.010), steps=1)
+    assert arms.arm == HELD and arms.exploring
+    guard.note_copying_request(1)
+    assert not guard.allows_drafting(1) and arms.turnover == 0.0
+
+
+def _joining(rid: str, match: int, **params) -> Request:
+    request = Request(rid, [1, 2, 3], SamplingParams(max_tokens=1000, **params),
+                      StopChecker(SamplingParams(max_tokens=1000)))  # fmt: skip
+    request.status = RequestStatus.RUNNING
+    request.lookup_match = match
+    return request
+
+
+def test_the_scheduler_plans_a_copying_request_that_ends_a_hold_with_its_options():
+    """One request at a time, the batch held. A request without a match joins: still held,
+    no options worked out. One that opted out of lookup: held. One with a match joins: the
+    guard measures drafting at once, so the very step it joins is planned with every row's
+    options and the runner asked for lookup matches again."""
+    from scheduler.scheduler import Scheduler, SchedulerLimits
+    from scheduler.sources import DFLASH, LOOKUP
+
+    clock = Clock()
+    guard = DraftingGuard(clock, epoch_seconds=0.0)
+    policy = AdaptiveDepthPolicy(guard=guard)
+    _hold_at(guard, clock, 1)
+    scheduler = Scheduler(SchedulerLimits(), policy, 15, {DFLASH: 15, LOOKUP: 6})
+
+    def join(request: Request):
+        scheduler.running[:] = [request]
+        scheduler.requests = {request.request_id: request}
+        return scheduler.plan()
+
+    assert not join(_joining("chat", 0)).match_lookup
+    assert not join(_joining("opted-out", 4, draft_sources=["dflash"])).match_lookup
+    assert not join(_joining("off", 4, num_speculative_tokens=0)).match_lookup
+    plan = join(_joining("editing", 4))
+    assert plan.match_lookup and guard.allows_drafting(1)
+    assert "measured_slower" not in scheduler.last_parked.values()
+
+
+@pytest.mark.asyncio
+async def test_in_the_engine_a_copying_request_has_drafting_measured_despite_an_earned_hold():
+    """The bundled pair at c=1, lookup drafting only. The guard's clock is a fake one on which
+    a free step costs 1.2 plain steps, and its batch-1 octave is held with a whole gap to go,
+    as after a stretch of chat. A request without a lookup match at its first step stays held
+    throughout; one with a match (this completion prompt's continuation repeats it at once)
+    has drafting measured at once: a free epoch, in which the controller may draft by lookup
+    (whether it does is its own call, on this machine's costs), where the gap would have held
+    all of its 48 tokens. Both equal plain greedy decoding."""
+    from engine import AsyncEngine, EngineConfig
+    from engine.bundled.pair import bundled_paths
+    from engine.bundled.workloads import load_workloads
+
+    target, _ = (str(p) for p in bundled_paths())
+    texts = load_workloads()
+    requests = [("prose", texts["prose"][0], 48, None, 0.0),
+                ("copying", texts["completion"][1], 48, None, 0.0)]  # fmt: skip
+
+    async with AsyncEngine(EngineConfig(target=target, num_speculative_tokens=0, draft_sources=[],
+                                        prefix_cache_bytes=0)) as engine:  # fmt: skip
+        plain = {rid: tokens for (rid, *_), (tokens, _) in
+                 zip(requests, await run_all(engine, requests, temperature=0.0))}  # fmt: skip
+
+    config = EngineConfig(target=target, draft_sources=["lookup"], prefix_cache_bytes=0)
+    async with AsyncEngine(config) as engine:
+        guard = engine._policy.guard
+        guard.epoch_seconds = 0.0
+        clock = Clock()
+        guard.clock = clock
+        _hold_at(guard, clock, 1)
+        guard.arms[0].since_explore = 0  # a whole gap (8 epochs, 128 steps) before a re-measure
+
+        def step_clock() -> float:  # what a step took: free ones cost 1.2 plain steps
+            clock.now += 0.012 if guard.allows_drafting(1) else 0.010
+            return clock.now
+
+        guard.clock = step_clock
+        free_steps: list[bool] = []
+        first_match: dict[str, int] = {}
+
+        def record(result: StepResult) -> None:
+            free_steps.append(guard.allows_drafting(1))
+            for rid in result.first_tokens:
+                first_match[rid] = result.lookup_matches.get(rid, 0)
+
+        engine.step_hooks.append(record)
+        outputs = {}
+        for request in requests:  # one at a time: c=1
+            free_steps.clear()
+            ((tokens, last),) = await run_all(engine, [request], temperature=0.0)
+            outputs[request[0]] = tokens, sum(free_steps), last.drafted_by_source
+    assert first_match["prose"] == 0 and first_match["copying"] > 0  # the premise
+    assert outputs["prose"] == (plain["prose"], 0, {})
+    tokens, free, _ = outputs["copying"]
+    assert tokens == plain["copying"]
+    assert free >= EPOCH_STEPS - 1  # one whole free epoch (its last step closes it)

@@ -242,6 +242,13 @@ class CostCurve:
     lookup positions read 58 ms and 64 read 45 ms, a slope of ~0, and 107 positions were then
     priced at 38 ms; they cost 158.
 
+    `through_origin` (the extra curves: no extra position costs nothing): below the smallest
+    measured R the cost is scaled down along the line through the origin, again optimistic,
+    so a small draft gets tried and measured. Held flat instead, one measurement of 19
+    lookup positions at 8 rows on SmolLM2 (77 ms) priced a single position at 77 ms: no
+    smaller draft was ever chosen, so none was measured, and lookup never drafted at c=8 on
+    editing (a position costs about 4 ms there).
+
     `one_sided` (the plain curve): step-time noise on a shared CPU only ever adds time (a
     stall, the copies of a join or a removal computed in that step's sync), so a bucket
     keeps the least of its first samples and then follows a drop faster than a rise. Left
@@ -249,8 +256,10 @@ class CostCurve:
     drafting step's extra was then read as free, and adaptive at 32 clients ran 1.5x
     longer than drafting off."""
 
-    def __init__(self, alpha: float = 0.2, clamp: float = 3.0, one_sided: bool = False) -> None:
+    def __init__(self, alpha: float = 0.2, clamp: float = 3.0, one_sided: bool = False,
+                 through_origin: bool = False) -> None:  # fmt: skip
         self.alpha, self.clamp, self.one_sided = alpha, clamp, one_sided
+        self.through_origin = through_origin
         self.mean: dict[int, float] = {}
         self.deviation: dict[int, float] = {}
         self.count: dict[int, int] = {}
@@ -299,7 +308,8 @@ class CostCurve:
             t = (x - centers[above - 1]) / (centers[above] - centers[above - 1])
             return self.mean[lo] + t * (self.mean[hi] - self.mean[lo])
         if above == 0:
-            return self.mean[known[0]]
+            first = self.mean[known[0]]
+            return first * x / centers[0] if self.through_origin else first
         if len(known) == 1:
             return self.mean[known[0]]
         if self._slope is None:
@@ -422,7 +432,7 @@ class CostModel:
         # free extras (mean ~0) could never learn a costly one (measured: 63 lookup positions
         # at B=32 read as 0.3 ms for 170 ms). A stall then overprices drafts: the safe side.
         key = (_batch_bucket(batch), drafting)
-        curve = self.extra.setdefault(key, CostCurve(clamp=math.inf))
+        curve = self.extra.setdefault(key, CostCurve(clamp=math.inf, through_origin=True))
         curve.observe(extra, max(0.0, seconds - plain))
 
     def measured_drafting(self, batch: int) -> bool:
@@ -993,28 +1003,44 @@ class AdaptiveDepthPolicy:
 
     def lookup_wanted(self, request_ids: list[str]) -> set[str]:
         """The requests whose lookup match would likely be drafted (the runner skips a
-        lookahead plain step when such a row gets a match). Each is judged alone at depth 1:
-        the worth of its expected extra token against widening the latest batch's verify,
-        a price the same for every row, so computed once."""
+        lookahead plain step when such a row gets a match). Judged at depth 1 against
+        widening the latest batch's verify: each row alone, and the rows together, best
+        first (the most likely-accepted k rows, for the best k). Together counts where a
+        batch runs in lockstep with nobody waiting: one row's extra token is then worth
+        next to nothing (the batch runs on for the others), all rows' extra tokens a whole
+        step. Judged alone only, SmolLM2's rows at c=8 on editing, which all copy, were never
+        watched, so every drafting choice paid for a thrown-away lookahead and none was
+        made."""
         if self.holds_drafting(self._last_batch):
             return set()
         batch = max(1, self._last_batch)
         plain = self.cost.predict_plain(batch)
-        widening = (
-            self.cost.predict(batch, [1] + [0] * (batch - 1), drafting=False) - plain
-        ) / plain
+        widen = self.cost.extra_pricer(batch, drafting=False)  # seconds for k more positions
         q = {rid: self.lookup_acceptance.estimate(rid)[0] for rid in request_ids}
         gain, plain_value = dict(q), dict.fromkeys(request_ids, float(batch))  # tokens alike
         value = self._value_of
         valued = [rid for rid in request_ids if value is not None and rid in value.column]
-        if valued:  # a plain step's tokens, then each row alone with 1 + q (one valuation)
-            choices = np.ones((len(valued) + 1, len(value.order)))
+        together = sorted(valued if valued else request_ids, key=lambda rid: -q[rid])
+        joint = list(np.cumsum([q[rid] for rid in together]))  # tokens alike
+        joint_plain = float(batch)
+        if valued:  # a plain step's tokens, each row alone with 1 + q, then the best k rows
+            n = len(valued)
+            choices = np.ones((2 * n + 1, len(value.order)))
             for k, rid in enumerate(valued, start=1):
                 choices[k, value.column[rid]] += q[rid]
+            for k, rid in enumerate(together):
+                choices[n + 1 + k :, value.column[rid]] += q[rid]
             values = value.rows(choices)
             for k, rid in enumerate(valued, start=1):
                 gain[rid], plain_value[rid] = values[k] - values[0], values[0]
-        return {rid for rid in request_ids if gain[rid] / plain_value[rid] > widening}
+            joint, joint_plain = list(values[n + 1 :] - values[0]), values[0]
+        wanted = {rid for rid in request_ids if gain[rid] / plain_value[rid] > widen(1) / plain}
+        if joint_plain > 0 and len(together) > 1:
+            margins = [joint[k] / joint_plain - widen(k + 1) / plain for k in range(len(joint))]
+            best = int(np.argmax(margins))
+            if margins[best] > 0:
+                wanted.update(together[: best + 1])
+        return wanted
 
     def expects_plain_next(self) -> bool:
         """Parked now: the next step parks too unless a probe falls due (or the measured

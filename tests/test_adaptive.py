@@ -619,6 +619,7 @@ def test_a_dflash_probe_is_priced_with_the_catch_up_of_the_rows_it_probes():
         step(8, 0, 0, 0.010)  # plain steps of 10 ms
     step(10, 2, 4, 0.013)  # a probe of two rows without a backlog: 3 ms more
     assert policy.catchup_row_seconds == 0.0
+    policy._last_batch = 8  # the batch a floor is priced at (each choice sets it; none yet)
     floor_without = policy.probe_floor("dflash")
     assert abs(floor_without - 0.003 / (PROBE_BUDGET * 0.010)) <= 1  # (rounded up)
     step(10, 2, 400, 0.053)  # the same writing 400 backlog rows: 40 ms more, 0.1 ms a row
@@ -750,6 +751,74 @@ def test_cost_past_the_measured_extras_follows_every_bucket_not_the_noisy_last_t
     single = CostCurve()
     single.observe(2, 0.003)
     assert single.predict(50) == 0.003
+
+
+def test_an_extra_cost_below_the_smallest_measured_count_scales_down_to_nothing():
+    """An extra curve is priced below its smallest measured count along the line through the
+    origin (no extra position costs nothing); the plain curve stays flat there."""
+    extra = CostCurve(clamp=math.inf, through_origin=True)
+    extra.observe(19, 0.077)
+    assert abs(extra.predict(1) - 0.077 / CostCurve.center(CostCurve.bucket(19))) < 1e-9
+    assert extra.predict(19) == 0.077 and extra.predict(8) < 0.035
+    plain = CostCurve(one_sided=True)
+    plain.observe(8, 0.081)
+    assert plain.predict(1) == 0.081
+
+
+def test_a_batch_whose_only_measured_draft_was_large_prices_small_drafts_as_small():
+    """SmolLM2 at 8 rows on the CPU: a plain step 81 ms, and the one drafting step measured
+    drafted 19 lookup positions for 77 ms more (4 ms each). Priced flat below 19 positions, a
+    single position cost 77 ms: a row's lookup match was never worth skipping the lookahead
+    for (`lookup_wanted`), and a probe of two positions was priced like 19, so probes came
+    every 48 steps, not at the budget's pace (SmolLM2 editing at c=8: lookup drafted on
+    under 1% of steps). Every row copies (lookup accepted 75%): they draft."""
+    policy = AdaptiveDepthPolicy(warmup_steps=0)
+    policy.observe_queue(0)
+    requests = make_requests(8)
+    for _ in range(4):
+        policy.cost.observe(8, 8, 0, False, 0.081)
+    policy.cost.observe(8, 8 + 19, 0, False, 0.081 + 0.077)
+    one_position = policy.cost.predict(8, [1] + [0] * 7, drafting=False) - 0.081
+    assert 0.003 < one_position < 0.0045
+    for r in requests:
+        for _ in range(10):
+            policy.lookup_acceptance.enroll(r.request_id, "greedy")
+            policy.lookup_acceptance.observe(r.request_id, 4, 3)
+    lookup = DraftOptions((LOOKUP,), 4, {LOOKUP: 8})
+    depths, sources = policy.choose_drafts(requests, dict.fromkeys(policy_ids(requests), lookup))
+    assert sum(depths.values()) >= 8 and set(sources.values()) == {LOOKUP}, depths
+    two = 2 * 0.077 / CostCurve.center(CostCurve.bucket(19))
+    assert policy.probe_floor(LOOKUP) == math.ceil(two / (PROBE_BUDGET * 0.081))
+
+
+def test_rows_in_lockstep_that_all_copy_are_watched_together_for_a_lookup_match():
+    """The same batch of 8 (plain steps 53 ms at 1 row, 81 ms at 8; a lookup position 4 ms),
+    nobody waiting, the rows in lockstep. One row's extra token alone is worth little (the
+    batch runs on for the others), so no row is worth skipping the lookahead for on its own;
+    all eight rows' extra tokens together are worth most of a step for 8 positions, so all
+    are watched. Rows that rarely copy are not."""
+    policy = AdaptiveDepthPolicy(warmup_steps=0)
+    policy.observe_queue(0)
+    requests = make_requests(8)
+    ids = policy_ids(requests)
+    for _ in range(4):
+        policy.cost.observe(1, 1, 0, False, 0.053)
+        policy.cost.observe(8, 8, 0, False, 0.081)
+    policy.cost.observe(8, 8 + 19, 0, False, 0.081 + 0.077)
+    lookup = DraftOptions((LOOKUP,), 4, {LOOKUP: 8})
+    for accepted, watched in ((3, set(ids)), (0, set())):
+        for r in requests:
+            policy.lookup_acceptance.forget(r.request_id)
+            policy.lookup_acceptance.enroll(r.request_id, "greedy")
+            for _ in range(10):
+                policy.lookup_acceptance.observe(r.request_id, 4, accepted)
+        policy.choose_drafts(requests, dict.fromkeys(ids, lookup))  # values this batch
+        assert policy.lookup_wanted(ids) == watched
+        assert not any(policy.lookup_wanted([rid]) for rid in ids)  # none alone
+
+
+def policy_ids(requests: list[Request]) -> list[str]:
+    return [r.request_id for r in requests]
 
 
 def test_makespan_value_of_many_choices_equals_valuing_each_alone():

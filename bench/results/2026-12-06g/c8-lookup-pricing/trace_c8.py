@@ -42,7 +42,7 @@ async def main(sources, workload, rounds):
         eng.step_hooks.append(dump)
         warm = cell_prompts(eng.tokenizer, "chat", 2, 384, "mix")
         await asyncio.gather(*[eng_one(eng, p) for p in warm])
-        params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[4]) if len(sys.argv) > 4 else 32, ignore_eos=True)
         gate = asyncio.Semaphore(8)
         async def one(p):
             async with gate:

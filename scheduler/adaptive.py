@@ -1021,25 +1021,28 @@ class AdaptiveDepthPolicy:
         value = self._value_of
         valued = [rid for rid in request_ids if value is not None and rid in value.column]
         together = sorted(valued if valued else request_ids, key=lambda rid: -q[rid])
-        joint = list(np.cumsum([q[rid] for rid in together]))  # tokens alike
+        sizes = _extra_grid(len(together))  # the k tried: every one to 8, then sparser
+        cumulative = np.cumsum([q[rid] for rid in together])
+        joint = [float(cumulative[k - 1]) for k in sizes]  # tokens alike
         joint_plain = float(batch)
         if valued:  # a plain step's tokens, each row alone with 1 + q, then the best k rows
             n = len(valued)
-            choices = np.ones((2 * n + 1, len(value.order)))
+            choices = np.ones((n + 1 + len(sizes), len(value.order)))
             for k, rid in enumerate(valued, start=1):
                 choices[k, value.column[rid]] += q[rid]
-            for k, rid in enumerate(together):
-                choices[n + 1 + k :, value.column[rid]] += q[rid]
+            for i, k in enumerate(sizes, start=n + 1):
+                for rid in together[:k]:
+                    choices[i, value.column[rid]] += q[rid]
             values = value.rows(choices)
             for k, rid in enumerate(valued, start=1):
                 gain[rid], plain_value[rid] = values[k] - values[0], values[0]
             joint, joint_plain = list(values[n + 1 :] - values[0]), values[0]
         wanted = {rid for rid in request_ids if gain[rid] / plain_value[rid] > widen(1) / plain}
         if joint_plain > 0 and len(together) > 1:
-            margins = [joint[k] / joint_plain - widen(k + 1) / plain for k in range(len(joint))]
+            margins = [joint[i] / joint_plain - widen(k) / plain for i, k in enumerate(sizes)]
             best = int(np.argmax(margins))
             if margins[best] > 0:
-                wanted.update(together[: best + 1])
+                wanted.update(together[: sizes[best]])
         return wanted
 
     def expects_plain_next(self) -> bool:

@@ -60,13 +60,13 @@
   copies, and where the never-slower guard holds the batch it is told to the guard, which may
   measure drafting at once: `scheduler.guard`); a probe drafts one position for a few rows
   (those that drafted least recently), so it costs a few packed positions, not a batch-wide
-  width. The backoff never goes below what keeps
-  probing within PROBE_BUDGET (2%) of the time at the measured costs: a probe that costs half a
-  plain step (a drafter forward and an attention group of its own, on the bundled pair at 8 rows)
-  comes at most every 25 steps; one that costs a tenth of a step (SmolLM2 at 8 rows) leaves the
-  backoff to decide. (At 3% the probes alone could take all of "never slower"'s allowance where
-  nothing pays; at 1% a batch whose noisy acceptance estimates parked it wrongly took hundreds of
-  steps to find drafting again.)
+  width. The backoff never goes below what keeps probing within PROBE_BUDGET (2%) of the time
+  at the measured costs: a probe that costs half a plain step (a drafter forward and an
+  attention group of its own, on the bundled pair at 8 rows) comes at most every 25 steps;
+  one that costs a tenth of a step (SmolLM2 at 8 rows) leaves the backoff to decide. (At 3%
+  the probes alone could take all of "never slower"'s allowance where nothing pays; at 1% a
+  batch whose noisy acceptance estimates parked it wrongly took hundreds of steps to find
+  drafting again.)
 - **Draft sources.** A row may draft from DFlash or from prompt lookup (`scheduler.sources`);
   acceptance is modelled per request *and per source* (one `AcceptanceModel` each). Every
   row takes the source with the most expected tokens, and every choice is priced twice: with
@@ -88,7 +88,7 @@ from scheduler.depth import request_cap
 from scheduler.guard import DraftingGuard
 from scheduler.plan import StepResult
 from scheduler.request import Request
-from scheduler.sources import DFLASH, LOOKUP, DraftOptions
+from scheduler.sources import DFLASH, LOOKUP, DraftOptions, allowed_sources
 
 PRIOR_ACCEPTANCE = 0.6  # before anything is observed
 # Lookup drafts are right far more often than chance only on copy-heavy text: a lower start.
@@ -540,9 +540,8 @@ class AdaptiveDepthPolicy:
             if rid in self._joined_held or rid in self.acceptance.group_of:
                 continue  # told already, or enrolled while drafting was free
             self._joined_held.add(rid)
-            params = r.params
-            may_copy = params.num_speculative_tokens != 0 and (
-                params.draft_sources is None or LOOKUP in params.draft_sources
+            may_copy = r.params.num_speculative_tokens != 0 and allowed_sources(
+                r.params.draft_sources, (LOOKUP,)
             )
             if r.lookup_match and may_copy:
                 self.guard.note_copying_request(len(requests))
@@ -1030,9 +1029,10 @@ class AdaptiveDepthPolicy:
             choices = np.ones((n + 1 + len(sizes), len(value.order)))
             for k, rid in enumerate(valued, start=1):
                 choices[k, value.column[rid]] += q[rid]
-            for i, k in enumerate(sizes, start=n + 1):
-                for rid in together[:k]:
-                    choices[i, value.column[rid]] += q[rid]
+            # Row n + 1 + i: the first sizes[i] rows of `together` each with 1 + q.
+            columns = [value.column[rid] for rid in together]
+            first_k = np.arange(len(together)) < np.asarray(sizes)[:, None]
+            choices[n + 1 :, columns] += first_k * np.array([q[rid] for rid in together])
             values = value.rows(choices)
             for k, rid in enumerate(valued, start=1):
                 gain[rid], plain_value[rid] = values[k] - values[0], values[0]

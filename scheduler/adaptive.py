@@ -21,13 +21,19 @@
   B * widest depth instead. EWMA per bucket, updates clamped to a few robust deviations (one
   stall cannot flip decisions). A step's seconds are the event loop's cadence where the
   loop measured it (what the step takes from throughput: a plain step's forward overlaps
-  the loop's work through the lookahead, a drafting step's does not, and the plain step
-  after a draft loses that overlap, which is charged to the draft); the forward's time
+  the loop's work through the lookahead, a drafting step's does not); the forward's time
   otherwise (prefill steps, and steps after an idle loop).
-- **What a drafting choice costs beyond its positions.** Two one-offs are priced at the
-  choice, not learned into the curves: a plain step the runner launched ahead, which drafting
-  now throws away (learned as a share of a plain step from the runner's timing of it, and
-  taken off the step's charged cadence), and the backlog each DFlash row's drafter forward
+- **What a drafting choice costs beyond its positions.** Three one-offs are priced at the
+  choice, not learned into the curves. Entering drafting from a plain step: the plain step
+  the runner launched ahead, which drafting now throws away (learned as a share of a plain
+  step from the runner's timing of it, and taken off the step's charged cadence), and the
+  end of the drafting run it starts, paid once per run: the plain step after a draft runs
+  without a lookahead, and its excess over a plain step is learned per batch size
+  (`exit_price`). A step that continues a run pays neither. Charged to every drafting step,
+  the end of a run made a run's every step look dearer than it is: SmolLM2 at c=1 drafting
+  DFlash at depth 1 cost 14.5 ms more than a plain step in a run and was priced at 21.7, so
+  the controller stayed plain where depth 1 throughout was 1.12x on chat. And the backlog
+  each DFlash row's drafter forward
   writes first (rows committed while it sat out, the prompt at its first proposal; seconds
   per row learned from catch-up steps as a ratio of decayed sums, only where a drafting step
   of that batch size was measured, so the drafter forward's own cost is not read as the
@@ -108,6 +114,7 @@ PROBE_ROWS = 2  # rows a probe drafts for (packed verify; padded probes every ro
 PROBE_BUDGET = 0.02
 CATCHUP_ALPHA = 0.2  # EWMA step of the learned seconds per drafter backlog row
 DISCARD_ALPHA = 0.2  # EWMA step of a thrown-away lookahead's share of a plain step
+EXIT_ALPHA = 0.2  # EWMA step of what ending a drafting run costs (`exit_price`)
 
 
 GREEDY = "greedy"  # the acceptance group of T=0 requests, and of requests never enrolled
@@ -518,8 +525,13 @@ class AdaptiveDepthPolicy:
         self._last_drafted: dict[str, int] = {}  # request id -> step it last drafted
         self._active: set[str] = set()
         self._joined_held: set[str] = set()  # requests that joined while the guard held (told it)
-        # A loop-measured drafting step waiting for the next step's cadence (see _observe_cost)
-        self._pending_draft: tuple[tuple[int, int, int, bool], float] | None = None
+        # Whether the last step drafted (a choice now continues its run, or starts one), and
+        # whether the loop measured it (the next step's cadence then shows the run's end).
+        self._drafted_last = False
+        self._draft_measured = False
+        # What ending a drafting run costs, per batch-size octave: the excess over a plain
+        # step of the plain step after a draft, which runs without a lookahead (seconds, EWMA).
+        self._exit_seconds: dict[int, float] = {}
         self._last_batch = 1
         self._waiting = 0  # requests queued behind the batch (the scheduler tells, each plan)
         # The last choice's valuation (None: every token worth the same), for `lookup_wanted`.
@@ -600,9 +612,11 @@ class AdaptiveDepthPolicy:
         # A parked batch whose rows and usable sources are those of the last valuation (and
         # as many requests wait) is parked again without valuing every candidate, for up to
         # PARKED_REUSE - 1 steps: while parked nothing is observed that moves acceptance, and
-        # the valuation's Python runs beside the lookahead's forward, slowing it.
+        # the valuation's Python runs beside the lookahead's forward, slowing it. Not after a
+        # probe: it observed acceptance, and a drafting run it started may be worth going on.
         signature = (self._waiting, tuple((rid, tuple(cap)) for rid, cap in caps.items()))
-        if self._steps_parked and self._reuse_left and signature == self._parked_signature:
+        reusable = self._reuse_left and not self._drafted_last
+        if self._steps_parked and reusable and signature == self._parked_signature:
             self._reuse_left -= 1
             choice, sources = self._park_or_probe(requests, caps, backlogs, "not_worth_it")
             return self._settle(choice, sources, backlogs, exploring=False, table=None)
@@ -622,9 +636,10 @@ class AdaptiveDepthPolicy:
         # Leaving the parked state takes a clear predicted gain: a noisy cost estimate must
         # not pull a parked batch back into drafting step after step.
         margin = 1.0 + (UNPARK_MARGIN if self._steps_parked else 0.0001)
-        # What any drafting choice costs beyond its positions: the plain step looked ahead
-        # (thrown away), and each DFlash row's backlog its drafter forward writes first.
-        discard = self.discard_share * plain if self._lookahead_pending else 0.0
+        # What any drafting choice costs beyond its positions: starting a run (the plain step
+        # looked ahead, thrown away, and the run's end), and each DFlash row's backlog its
+        # drafter forward writes first.
+        discard = self.entry_price(batch)
         extra_cost = {d: self.cost.extra_pricer(batch, d) for d in (False, True)}
         best, best_rate, best_extra = None, plain_rate, 0
         table = [(0, plain_value, plain, False)]  # rounded only when read (state())
@@ -691,6 +706,8 @@ class AdaptiveDepthPolicy:
         # out, the prompt at a request's first proposal) costs a one-off: learning drafting's
         # marginal price from it would make every later draft look dearer.
         catching_up = result.draft_context_rows > result.verify_tokens
+        if result.batch_size:
+            self._learn_exit(result)
         if result.batch_size and not catching_up:
             seconds = self._observe_cost(result)
             drafting = result.drafted_rows > 0  # a drafter forward ran
@@ -699,10 +716,11 @@ class AdaptiveDepthPolicy:
             self.last_choice["predicted"] = self.cost.predict(
                 result.batch_size, depths, result.prefill_tokens, drafting
             )
-        else:  # the step after a pending draft says nothing of its price
-            self._charge_pending_draft()
-            if result.batch_size:
-                self._learn_catchup(result)
+        elif result.batch_size:
+            self._learn_catchup(result)
+        if result.batch_size:
+            self._drafted_last = result.verify_tokens > result.batch_size
+            self._draft_measured = self._drafted_last and self._step_seconds(result)[1]
         if self.guard is not None:
             tokens = sum(len(o.tokens) for o in result.outcomes.values())
             # A catch-up counts here: a held batch never pays it, so the whole-loop comparison
@@ -730,23 +748,55 @@ class AdaptiveDepthPolicy:
         measured one on a step without prefill (bundled pair, 8 rows: a plain step 12.9 ms
         against a forward of 14.1, as its forward overlaps the loop's work; a drafting step
         24.2 ms against 20.4). The plain step right after drafting has no such overlap (17.99
-        ms, not 12.9): that excess is the drafting's price too, so a drafting step is charged
-        only once the next step has shown it. Priced by their forwards alone, drafts that cost
-        2.3 plain steps of the loop's time looked like 1.4 and were taken for 1.9 steps' tokens.
+        ms, not 12.9): that excess is the price of ending a drafting run, learned apart
+        (`_learn_exit`) and priced when a run starts, so that step teaches nothing here.
+        Priced by their forwards alone, drafts that cost 2.3 plain steps of the loop's time
+        looked like 1.4 and were taken for 1.9 steps' tokens.
         """
         seconds, loop_measured = self._step_seconds(result)
-        drafting = result.drafted_rows > 0
-        step = (result.batch_size, result.verify_tokens, result.prefill_tokens, drafting)
         plain = result.verify_tokens <= result.batch_size
-        if self._pending_draft is not None and plain and loop_measured:
-            self._charge_pending_draft(seconds - self.cost.predict_plain(result.batch_size))
-            return seconds  # its own cadence is the drafting's, not a plain step's
-        self._charge_pending_draft()
-        if not plain and loop_measured:
-            self._pending_draft = (step, seconds)
-        else:
-            self.cost.observe(*step, seconds)
+        if plain and loop_measured and self._draft_measured:
+            return seconds  # its cadence is the run's end (`_learn_exit`), not a plain step's
+        drafting = result.drafted_rows > 0
+        self.cost.observe(
+            result.batch_size, result.verify_tokens, result.prefill_tokens, drafting, seconds
+        )
         return seconds
+
+    def _learn_exit(self, result: StepResult) -> None:
+        """Learn what ending a drafting run costs from the loop-measured plain step right
+        after a loop-measured draft: its excess over a plain step of its rows."""
+        seconds, loop_measured = self._step_seconds(result)
+        plain = result.verify_tokens <= result.batch_size
+        if not (plain and loop_measured and self._draft_measured):
+            return
+        excess = max(0.0, seconds - self.cost.predict_plain(result.batch_size))
+        bucket = _batch_bucket(result.batch_size)
+        known = self._exit_seconds.get(bucket)
+        self._exit_seconds[bucket] = (
+            excess if known is None else known + EXIT_ALPHA * (excess - known)
+        )
+
+    def exit_price(self, batch: int) -> float:
+        """Seconds that ending a drafting run of this batch size costs (learned; before any
+        run ended at this size, the nearest size's, scaled by the plain steps)."""
+        bucket = _batch_bucket(batch)
+        if bucket in self._exit_seconds:
+            return self._exit_seconds[bucket]
+        if not self._exit_seconds:
+            return 0.0
+        near = min(self._exit_seconds, key=lambda b: (abs(b - bucket), b))
+        scale = self.cost.predict_plain(batch) / self.cost.predict_plain(2**near)
+        return self._exit_seconds[near] * scale
+
+    def entry_price(self, batch: int) -> float:
+        """What a drafting choice pays beyond its positions for starting a drafting run: the
+        lookahead it throws away and the run's end. Nothing when it continues a run."""
+        if self._drafted_last:
+            return 0.0
+        plain = self.cost.predict_plain(batch)
+        discard = self.discard_share * plain if self._lookahead_pending else 0.0
+        return discard + self.exit_price(batch)
 
     @staticmethod
     def _step_seconds(result: StepResult) -> tuple[float, bool]:
@@ -786,14 +836,6 @@ class AdaptiveDepthPolicy:
         step = DISCARD_ALPHA if self._discards_seen else 1.0
         self.discard_share += step * (min(share, 2.0) - self.discard_share)
         self._discards_seen += 1
-
-    def _charge_pending_draft(self, excess: float = 0.0) -> None:
-        """Teach the cost model the drafting step waiting for its successor (if any), plus
-        the successor's excess over a plain step when it ran without its lookahead."""
-        if self._pending_draft is not None:
-            step, seconds = self._pending_draft
-            self._pending_draft = None
-            self.cost.observe(*step, seconds + max(0.0, excess))
 
     def holds_drafting(self, batch: int) -> bool:
         """The guard holds this batch size plain (drafting measured slower there): no row
@@ -1014,7 +1056,14 @@ class AdaptiveDepthPolicy:
             return set()
         batch = max(1, self._last_batch)
         plain = self.cost.predict_plain(batch)
-        widen = self.cost.extra_pricer(batch, drafting=False)  # seconds for k more positions
+        pricer = self.cost.extra_pricer(batch, drafting=False)  # seconds for k more positions
+        # A draft after a plain step starts a run, whose end it pays for (not the lookahead:
+        # the runner skips that for the rows wanted).
+        start = 0.0 if self._drafted_last else self.exit_price(batch)
+
+        def widen(k: int) -> float:
+            return pricer(k) + start
+
         q = {rid: self.lookup_acceptance.estimate(rid)[0] for rid in request_ids}
         gain, plain_value = dict(q), dict.fromkeys(request_ids, float(batch))  # tokens alike
         value = self._value_of
@@ -1084,6 +1133,7 @@ class AdaptiveDepthPolicy:
             "probe_floor": {s: self.probe_floor(s) for s in self._probe_interval},
             "catchup_row_seconds": self.catchup_row_seconds,
             "discard_share": round(self.discard_share, 3),
+            "exit_seconds": {2**b: round(v, 5) for b, v in sorted(self._exit_seconds.items())},
             "steps_parked": self._steps_parked,
             "last_choice": {
                 **self.last_choice,

@@ -445,10 +445,11 @@ def test_a_drafting_step_faster_than_the_plain_estimate_lowers_it_and_prices_not
     assert abs(cost.predict_extra(4, 8) - (0.0075 - cost.predict_plain(4))) < 1e-9
 
 
-def test_a_drafting_step_is_charged_its_cadence_and_the_lost_overlap_of_the_step_after():
+def test_a_drafting_step_is_charged_its_cadence_and_a_run_its_end_once():
     """With the loop's cadence known, a step costs what it takes from the loop: a plain step
-    its (overlapped) cadence, a drafting step its cadence plus the excess of the plain step
-    right after it, which ran without a lookahead because of it."""
+    its (overlapped) cadence, a drafting step its own cadence. The plain step right after a
+    draft runs without a lookahead: its excess is what ending the drafting run costs, learned
+    apart and priced once per run, when a choice starts one."""
     policy = AdaptiveDepthPolicy()
 
     def step(verify_tokens: int, drafted_rows: int, cadence: float, forward: float) -> None:
@@ -459,22 +460,60 @@ def test_a_drafting_step_is_charged_its_cadence_and_the_lost_overlap_of_the_step
     for _ in range(4):
         step(8, 0, 0.0129, 0.0141)  # plain: the forward overlaps the loop's work
     assert abs(policy.cost.predict_plain(8) - 0.0129) < 1e-9
-    step(24, 8, 0.0242, 0.0204)  # drafting: charged only once the next step is seen
-    assert not policy.cost.extra
+    assert policy.exit_price(8) == 0.0  # no run has ended yet
+    step(24, 8, 0.0242, 0.0204)  # drafting: charged its own cadence
+    assert abs(policy.cost.predict_extra(8, 16) - (0.0242 - 0.0129)) < 1e-9
+    assert policy.entry_price(8) == 0.0  # a draft now continues the run
     step(8, 0, 0.0180, 0.0141)  # the plain step after it, without its lookahead
-    assert abs(policy.cost.predict_extra(8, 16) - (0.0242 + 0.0051 - 0.0129)) < 1e-9
-    assert abs(policy.cost.predict_plain(8) - 0.0129) < 1e-9  # not taught the lost overlap
+    assert abs(policy.exit_price(8) - 0.0051) < 1e-9  # the run's end
+    assert abs(policy.cost.predict_extra(8, 16) - (0.0242 - 0.0129)) < 1e-9  # not the draft's
+    assert abs(policy.cost.predict_plain(8) - 0.0129) < 1e-9  # nor a plain step's
+    assert abs(policy.entry_price(8) - 0.0051) < 1e-9  # a draft now starts a run: pays its end
     step(24, 8, 0.0242, 0.0204)
-    step(24, 8, 0.0250, 0.0204)  # drafting after drafting: the first its own cadence
-    first = 0.0242 + 0.0051 - 0.0129
-    assert abs(policy.cost.predict_extra(8, 16) - (first + 0.2 * (0.0113 - first))) < 1e-9
+    step(24, 8, 0.0250, 0.0204)  # drafting after drafting: each its own cadence
+    first = 0.0242 - 0.0129
+    assert abs(policy.cost.predict_extra(8, 16) - (first + 0.2 * (0.0121 - first))) < 1e-9
+    step(8, 0, 0.0160, 0.0141)  # another run's end
+    assert abs(policy.exit_price(8) - (0.0051 + 0.2 * (0.0031 - 0.0051))) < 1e-9
     step(8, 0, 0.0, 0.0141)  # the loop idled before this step: no cadence, its forward
     extra, plain = policy.cost.predict_extra(8, 16), policy.cost.predict_plain(8)
     step(24, 8, 0.0300, 0.0204)
     policy.observe(StepResult(batch_size=0, prefill_tokens=64, cadence_seconds=0.2))
-    assert policy._pending_draft is None  # charged as it was: the prefill step is not its
     assert abs(policy.cost.predict_extra(8, 16) - (extra + 0.2 * (0.03 - plain - extra))) < 1e-9
-    policy.observe(StepResult(batch_size=8, verify_tokens=8, forward_seconds=0.0129))
+    ended = policy.exit_price(8)
+    policy.observe(StepResult(batch_size=8, verify_tokens=8, prefill_tokens=16,
+                              cadence_seconds=0.05, forward_seconds=0.05))  # fmt: skip
+    assert policy.exit_price(8) == ended  # a prefill step after a draft says nothing of it
+    # Before any run ended at a batch size, the nearest size's end, scaled by plain steps.
+    _plain_steps(policy, 16, 0.0258)
+    assert abs(policy.exit_price(16) - ended * 0.0258 / policy.cost.predict_plain(8)) < 1e-9
+
+
+def test_a_drafting_run_is_continued_where_starting_one_would_not_pay():
+    """Drafting that pays step by step is kept up once started (by a probe), even where
+    starting it after a plain step, which pays for the run's end, would not pay: SmolLM2 at
+    c=1 drafted DFlash at depth 1 for 1.12x of plain on chat, but with every drafting step
+    charged the run's end the controller stayed plain (0.97x)."""
+    requests = make_requests(1)
+    rid = requests[0].request_id
+    options = {rid: DraftOptions((DFLASH,), 0, {DFLASH: 3})}
+    policy = AdaptiveDepthPolicy(warmup_steps=0)
+    _plain_steps(policy, 1, 0.058)
+    policy.acceptance.per_request[rid] = [0.4, 0.4, 0.3] + [0.3] * (policy.max_depth - 3)
+
+    def draft(seconds: float) -> None:
+        policy.observe(StepResult(batch_size=1, verify_tokens=2, drafted_rows=1,
+                                  cadence_seconds=seconds, forward_seconds=seconds))  # fmt: skip
+
+    for _ in range(4):  # a run of depth-1 drafts, 14.5 ms dearer than a plain step
+        draft(0.0725)
+    policy.observe(StepResult(batch_size=1, verify_tokens=1, cadence_seconds=0.078,
+                              forward_seconds=0.058))  # the run's end: 20 ms lost  # fmt: skip
+    depths, _ = policy.choose_drafts(requests, options)
+    assert depths[rid] == 0  # after a plain step: 1.4 tokens in 72.5 + 20 ms against 1 in 58
+    draft(0.0725)  # a probe drafts
+    depths, sources = policy.choose_drafts(requests, options)
+    assert depths[rid] >= 1 and sources[rid] == DFLASH  # continued: 1.4 tokens in 72.5 ms
 
 
 def test_a_new_batch_size_is_first_measured_plain():

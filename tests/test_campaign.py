@@ -510,6 +510,66 @@ def test_eval_keeps_a_better_checkpoint_and_restores_the_committed_one_otherwise
     assert better["kept"] and campaign.read_state(drafter_dir).eval["tau_mean"] == 2.5
 
 
+def test_eval_judges_on_the_eval_set_where_the_committed_checkpoint_was_measured_on_it(
+    tiny, tmp_path, monkeypatch
+):
+    """Where the target has an eval set, the keep-or-restore decision follows its tau, not the
+    real loop's on a few prompts (which moved by about a sitting's gain); before the committed
+    checkpoint was measured on it, the loop's tau decides."""
+    import subprocess
+
+    target, target_dir = tiny
+    repo = tmp_path / "repo"
+    drafter_dir = repo / "engine" / "models" / "x_drafter"
+    corpus = (_records(6, target.vocab_size), _records(2, target.vocab_size, seed=1))
+    kwargs = _sitting_args(target_dir, drafter_dir, tmp_path, corpus)
+    campaign.run_sitting(recipe=_tiny_recipe(), max_steps=1, **kwargs)
+    loop_taus = iter([2.0, 1.5, 2.5])  # the real loop's: worse, then better
+    gate_taus = iter([1.60, 1.70, 1.65])  # the eval set's: better, then worse
+    monkeypatch.setattr(campaign, "tau_eval", lambda *a: {"tau_mean": next(loop_taus), "tau": {}})
+
+    def fake_gate(target_name, drafter, command):
+        result = {"tau_loop_mean": next(gate_taus), "tau_loop": {}}
+        state = campaign.read_state(drafter)
+        entry = {**campaign.log_entry("evalset", command, state), **result}
+        campaign.write_json(
+            drafter / campaign.SITTINGS_FILE, campaign.read_sittings(drafter) + [entry]
+        )
+        return result
+
+    monkeypatch.setattr(campaign, "evalset_gate", fake_gate)
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+    def evaluate() -> dict:
+        return campaign.run_eval(
+            "t", drafter_dir, 1, 8, "eval", repo_root=repo, rejected_root=tmp_path / "rejected"
+        )
+
+    git("init", "-q")
+    first = evaluate()
+    assert first["kept"] and first["judged_on"] == "eval"  # nothing committed to compare
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "checkpoint")
+    assert campaign.committed_gate(drafter_dir, repo) == 1.60
+
+    campaign.run_sitting(recipe=None, max_steps=1, **kwargs)
+    better = evaluate()  # the loop says 1.5 < 2.0, the eval set 1.70 >= 1.60: kept
+    assert better["kept"] and better["judged_on"] == "evalset"
+    assert better["committed_evalset_tau_loop_mean"] == 1.60
+    assert campaign.read_state(drafter_dir).step == 2
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "checkpoint 2")
+
+    campaign.run_sitting(recipe=None, max_steps=1, **kwargs)
+    worse = evaluate()  # the loop says 2.5 >= 1.5, the eval set 1.65 < 1.70: restored
+    assert not worse["kept"] and worse["judged_on"] == "evalset"
+    assert campaign.read_state(drafter_dir).step == 2
+    stages = [s["stage"] for s in campaign.read_sittings(drafter_dir)]
+    assert stages[-3:] == ["sitting", "evalset", "eval"]  # the log keeps the rejected one's
+
+
 def test_sigterm_finishes_the_step_saves_and_stops(tiny, tmp_path, monkeypatch):
     import os
     import signal

@@ -514,8 +514,9 @@ def test_eval_judges_on_the_eval_set_where_the_committed_checkpoint_was_measured
     tiny, tmp_path, monkeypatch
 ):
     """Where the target has an eval set, the keep-or-restore decision follows its tau, not the
-    real loop's on a few prompts (which moved by about a sitting's gain); before the committed
-    checkpoint was measured on it, the loop's tau decides."""
+    real loop's on a few prompts (which moved by about a sitting's gain), where the sittings
+    logs hold it for both checkpoints; before the committed one was measured, the loop's
+    tau decides."""
     import subprocess
 
     target, target_dir = tiny
@@ -528,21 +529,19 @@ def test_eval_judges_on_the_eval_set_where_the_committed_checkpoint_was_measured
     gate_taus = iter([1.60, 1.70, 1.65])  # the eval set's: better, then worse
     monkeypatch.setattr(campaign, "tau_eval", lambda *a: {"tau_mean": next(loop_taus), "tau": {}})
 
-    def fake_gate(target_name, drafter, command):
-        result = {"tau_loop_mean": next(gate_taus), "tau_loop": {}}
-        state = campaign.read_state(drafter)
-        entry = {**campaign.log_entry("evalset", command, state), **result}
+    def measure_evalset() -> None:  # as `python -m drafters.dflash.evalset measure --log`
+        state = campaign.read_state(drafter_dir)
+        entry = {**campaign.log_entry("evalset", "measure", state),
+                 "tau_loop_mean": next(gate_taus)}  # fmt: skip
         campaign.write_json(
-            drafter / campaign.SITTINGS_FILE, campaign.read_sittings(drafter) + [entry]
+            drafter_dir / campaign.SITTINGS_FILE, campaign.read_sittings(drafter_dir) + [entry]
         )
-        return result
-
-    monkeypatch.setattr(campaign, "evalset_gate", fake_gate)
 
     def git(*args: str) -> None:
         subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
 
     def evaluate() -> dict:
+        measure_evalset()
         return campaign.run_eval(
             "t", drafter_dir, 1, 8, "eval", repo_root=repo, rejected_root=tmp_path / "rejected"
         )

@@ -967,9 +967,18 @@ def committed_eval(drafter_dir: Path, repo_root: Path = REPO_ROOT) -> dict[str, 
     return json.loads(out.stdout).get("eval") or {"tau_mean": 0.0}
 
 
+def logged_gate(sittings: list[dict[str, Any]], step: int) -> float | None:
+    """The eval-set tau (`tau_loop_mean` of `python -m drafters.dflash.evalset measure --log`)
+    that a sittings log holds for the checkpoint at `step`: the newest one (None: none)."""
+    measures = [
+        s for s in sittings
+        if s.get("stage") == "evalset" and s.get("step") == step and "tau_loop_mean" in s
+    ]  # fmt: skip
+    return float(measures[-1]["tau_loop_mean"]) if measures else None
+
+
 def committed_gate(drafter_dir: Path, repo_root: Path = REPO_ROOT) -> float | None:
-    """The eval-set tau (`evalset.measure`'s `tau_loop_mean`) of the checkpoint committed at
-    HEAD: the newest eval-set measure its sittings log holds at its step (None: none)."""
+    """The eval-set tau of the checkpoint committed at HEAD, from HEAD's sittings log."""
     try:
         rel = drafter_dir.resolve().relative_to(repo_root.resolve())
         shown = [
@@ -981,25 +990,7 @@ def committed_gate(drafter_dir: Path, repo_root: Path = REPO_ROOT) -> float | No
         ]  # fmt: skip
     except (ValueError, subprocess.CalledProcessError, FileNotFoundError):
         return None
-    step = json.loads(shown[0]).get("step")
-    measures = [
-        s for s in json.loads(shown[1])
-        if s.get("stage") == "evalset" and s.get("step") == step and "tau_loop_mean" in s
-    ]  # fmt: skip
-    return float(measures[-1]["tau_loop_mean"]) if measures else None
-
-
-def evalset_gate(target_name: str, drafter_dir: Path, command: str) -> dict[str, Any] | None:
-    """Measure the checkpoint on the target's eval set (`drafters.dflash.evalset`) and log it
-    to the sittings log; None when the target has no eval set."""
-    from drafters.dflash import evalset
-
-    path = evalset.evalset_path(target_name)
-    if not path.is_file():
-        return None
-    result = evalset.measure(target_name, drafter_dir, evalset.read_evalset(path), CACHE_ROOT)
-    evalset.log_measure(drafter_dir, result, command)
-    return result
+    return logged_gate(json.loads(shown[1]), json.loads(shown[0]).get("step"))
 
 
 def tau_eval(
@@ -1056,21 +1047,22 @@ def run_eval(
     committed files are restored from git and the candidate is moved to the cache. Either way
     the sittings log records the eval (and keeps the sittings of a candidate it throws away).
 
-    The tau judged is the eval set's (`evalset_gate`: 96 records replayed whole) where the
-    target has one and the committed checkpoint was measured on it; else the real loop's on
-    `prompts_per_kind` prompts a kind (`tau_eval`, always run and logged). The loop's 12
-    prompts moved by about a sitting's gain: at step 14988 it read 1.521 -> 1.511 while the
-    eval set read 1.665 -> 1.681 and 68 held-out records 1.643 -> 1.653."""
+    The tau judged is the eval set's (96 records replayed whole: `python -m
+    drafters.dflash.evalset measure --log`, run first) where the sittings logs hold it for
+    both checkpoints; else the real loop's on `prompts_per_kind` prompts a kind (`tau_eval`,
+    always run and logged). The loop's 12 prompts moved by about a sitting's gain: at step
+    14988 it read 1.521 -> 1.511 while the eval set read 1.665 -> 1.681 and 68 held-out
+    records 1.643 -> 1.653."""
     result = tau_eval(target_name, drafter_dir, prompts_per_kind, max_tokens)
-    gate = evalset_gate(target_name, drafter_dir, command)
     state = read_state(drafter_dir)
     committed = committed_eval(drafter_dir, repo_root)
     bar = None if committed is None else float(committed.get("tau_mean", 0.0))
+    gate = logged_gate(read_sittings(drafter_dir), state.step)
     gate_bar = committed_gate(drafter_dir, repo_root) if gate is not None else None
     if gate is not None and gate_bar is not None:
-        judged = {"judged_on": "evalset", "evalset_tau_loop_mean": gate["tau_loop_mean"],
+        judged = {"judged_on": "evalset", "evalset_tau_loop_mean": gate,
                   "committed_evalset_tau_loop_mean": gate_bar}  # fmt: skip
-        better = gate["tau_loop_mean"] >= gate_bar
+        better = gate >= gate_bar
     else:
         judged = {"judged_on": "eval"}
         better = bar is None or result["tau_mean"] >= bar

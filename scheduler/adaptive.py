@@ -94,7 +94,7 @@ from scheduler.depth import request_cap
 from scheduler.guard import DraftingGuard
 from scheduler.plan import StepResult
 from scheduler.request import Request
-from scheduler.sources import DFLASH, LOOKUP, DraftOptions, allowed_sources
+from scheduler.sources import DFLASH, LOOKUP, DraftOptions, may_draft
 
 PRIOR_ACCEPTANCE = 0.6  # before anything is observed
 # Lookup drafts are right far more often than chance only on copy-heavy text: a lower start.
@@ -552,10 +552,7 @@ class AdaptiveDepthPolicy:
             if rid in self._joined_held or rid in self.acceptance.group_of:
                 continue  # told already, or enrolled while drafting was free
             self._joined_held.add(rid)
-            may_copy = r.params.num_speculative_tokens != 0 and allowed_sources(
-                r.params.draft_sources, (LOOKUP,)
-            )
-            if r.lookup_match and may_copy:
+            if r.lookup_match and may_draft(r.params, LOOKUP):
                 self.guard.note_copying_request(len(requests))
 
     def choose(self, requests: list[Request], max_depth: int) -> dict[str, int]:

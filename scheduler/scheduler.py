@@ -22,8 +22,8 @@ from scheduler.sources import (
     DFLASH,
     LOOKUP,
     DraftOptions,
-    allowed_sources,
     fallback_source,
+    may_draft,
     row_options,
 )
 
@@ -251,7 +251,7 @@ class Scheduler:
         return need <= self.limits.kv_cache_bytes
 
     def _options(self, request: Request) -> DraftOptions:
-        allowed = allowed_sources(request.params.draft_sources, self.sources)
+        allowed = [s for s in self.sources if may_draft(request.params, s, self.sources)]
         return row_options(allowed, request.lookup_match, self.source_depths)
 
     def _choose(self, options: dict[str, DraftOptions]) -> tuple[dict[str, int], dict[str, str]]:
@@ -277,10 +277,7 @@ class Scheduler:
         if LOOKUP not in self.sources:
             return set()
         candidates = [
-            r.request_id
-            for r in self.running
-            if LOOKUP in allowed_sources(r.params.draft_sources, self.sources)
-            and r.params.num_speculative_tokens != 0
+            r.request_id for r in self.running if may_draft(r.params, LOOKUP, self.sources)
         ]
         wanted = getattr(self.policy, "lookup_wanted", None)  # priced once for all rows
         return set(candidates) if wanted is None else wanted(candidates)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 DFLASH = "dflash"
 LOOKUP = "lookup"
@@ -67,6 +68,26 @@ def allowed_sources(requested: Sequence[str] | None, served: Sequence[str]) -> t
     if requested is None:
         return tuple(served)
     return tuple(s for s in served if s in requested)
+
+
+class DraftLimits(Protocol):
+    """What a request says about its drafting (`engine.step.sampling.SamplingParams`)."""
+
+    @property
+    def draft_sources(self) -> Sequence[str] | None: ...
+
+    @property
+    def num_speculative_tokens(self) -> int | None: ...
+
+
+def may_draft(params: DraftLimits, source: str, served: Sequence[str] = ALL_SOURCES) -> bool:
+    """Whether a request may ever draft from `source`: the engine serves it (`served`), the
+    request's `draft_sources` allows it and its `num_speculative_tokens` is not 0. The one
+    rule the runner (which sessions it opens), the scheduler (which rows it watches for a
+    lookup match) and the depth policy (who may end a hold) share."""
+    if params.num_speculative_tokens == 0:
+        return False
+    return source in allowed_sources(params.draft_sources, served)
 
 
 def fallback_source(options: DraftOptions) -> str | None:

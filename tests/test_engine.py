@@ -174,6 +174,34 @@ async def test_drafting_off_engine_wide_loads_no_draft_source(qwen3_target_dir, 
         assert last.drafted_tokens == 0
 
 
+async def test_a_request_that_may_not_draft_opens_no_draft_session(qwen3_target_dir, drafter_dir):
+    """`num_speculative_tokens=0` on one request of a drafting engine: the runner opens no
+    DFlash session and no lookup index for it (the one rule of `scheduler.sources.may_draft`;
+    the session would only cost catch-up writes), while the request beside it drafts, and
+    both equal plain greedy decoding."""
+    config = EngineConfig(target=str(qwen3_target_dir), drafter=str(drafter_dir))
+    async with AsyncEngine(config, depth_policy=FixedDepthPolicy(3)) as engine:
+        runner = engine._runner
+        opened = {}
+        engine.step_hooks.append(
+            lambda r: opened.update(
+                {
+                    rid: (s.session is not None, s.lookup is not None)
+                    for rid, s in runner.states.items()
+                }  # fmt: skip
+            )
+        )
+        prompts = {"off": [5, 6, 7, 5, 6, 7], "on": [5, 6, 8, 5, 6, 8]}
+        results = await run_all(
+            engine, [("off", prompts["off"], 12, 0, 0), ("on", prompts["on"], 12, None, 0)]
+        )
+    assert opened["off"] == (False, False) and opened["on"] == (True, True)
+    model, _ = load_target_model(qwen3_target_dir)
+    for name, (tokens, _) in zip(prompts, results):
+        assert tokens == plain_greedy(model, prompts[name], 12)
+    assert results[0][1].drafted_tokens == 0 and results[1][1].drafted_tokens > 0
+
+
 async def test_depth_zero_runs_the_plain_path_without_drafter_forwards(
     qwen3_target_dir, drafter_dir
 ):

@@ -53,13 +53,7 @@ from engine.step.state_cache import RaggedStateCache
 from engine.step.structured import GrammarCompiler, RowGrammar
 from engine.step.target import TargetAdapter
 from scheduler.plan import Admission, PrefillChunk, RowOutcome, StepPlan, StepResult
-from scheduler.sources import DFLASH, LOOKUP
-
-
-def _allows(params: SamplingParams, source: str) -> bool:
-    """Whether a request may draft from `source` (a session it can never use is not opened:
-    it would only cost the drafter's catch-up writes)."""
-    return params.draft_sources is None or source in params.draft_sources
+from scheduler.sources import DFLASH, LOOKUP, may_draft
 
 
 @dataclass(eq=False)  # compared and hashed by identity (a feature journal's owner)
@@ -1010,7 +1004,9 @@ class ModelRunner:
                 features = mx.concatenate(state.prefill_features, axis=0)
                 if self.prefix_caching:
                     state.feature_log = [features]
-            if self.drafter is not None and _allows(state.params, DFLASH):
+            # A session the request can never use is not opened: it would only cost the
+            # drafter's catch-up writes.
+            if self.drafter is not None and may_draft(state.params, DFLASH):
                 state.session = self.drafter.open(state.prompt_ids)
                 if features is not None:
                     self.drafter.commit(state.session, features, state.prompt_ids)
@@ -1024,7 +1020,7 @@ class ModelRunner:
 
     def _open_lookup(self, state: _RowState) -> None:
         """The row's lookup index over its prompt (constant work per token from here on)."""
-        if self.lookup is None or not _allows(state.params, LOOKUP):
+        if self.lookup is None or not may_draft(state.params, LOOKUP):
             return
         state.lookup = self.lookup.open(state.prompt_ids)
         self.lookup.commit(state.lookup, None, state.prompt_ids)

@@ -463,50 +463,63 @@ def test_warm_start_on_a_target_without_qk_norms_matches_their_scale(llama_targe
 
 
 # ------------------------------------------------------------------ eval keeps or restores
+class _CheckpointRepo:
+    """A git repository whose drafter directory holds a one-step sitting's checkpoint."""
+
+    def __init__(self, tiny, tmp_path) -> None:
+        target, target_dir = tiny
+        self.root = tmp_path / "repo"
+        self.drafter_dir = self.root / "engine" / "models" / "x_drafter"
+        self.rejected = tmp_path / "rejected"
+        corpus = (_records(6, target.vocab_size), _records(2, target.vocab_size, seed=1))
+        self.sitting_args = _sitting_args(target_dir, self.drafter_dir, tmp_path, corpus)
+        campaign.run_sitting(recipe=_tiny_recipe(), max_steps=1, **self.sitting_args)
+        self.git("init", "-q")
+
+    def git(self, *args: str) -> None:
+        import subprocess
+
+        subprocess.run(["git", "-C", str(self.root), *args], check=True, capture_output=True)
+
+    def commit(self) -> None:
+        self.git("add", "-A")
+        self.git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "checkpoint")
+
+    def sitting(self, steps: int) -> None:
+        campaign.run_sitting(recipe=None, max_steps=steps, **self.sitting_args)
+
+    def evaluate(self) -> dict:
+        return campaign.run_eval(
+            "t", self.drafter_dir, 1, 8, "eval", repo_root=self.root, rejected_root=self.rejected
+        )
+
+
 def test_eval_keeps_a_better_checkpoint_and_restores_the_committed_one_otherwise(
     tiny, tmp_path, monkeypatch
 ):
-    import subprocess
-
-    target, target_dir = tiny
-    repo = tmp_path / "repo"
-    drafter_dir = repo / "engine" / "models" / "x_drafter"
-    corpus = (_records(6, target.vocab_size), _records(2, target.vocab_size, seed=1))
-    kwargs = _sitting_args(target_dir, drafter_dir, tmp_path, corpus)
-    campaign.run_sitting(recipe=_tiny_recipe(), max_steps=1, **kwargs)
+    repo = _CheckpointRepo(tiny, tmp_path)
+    drafter_dir = repo.drafter_dir
     taus = iter([2.0, 1.5, 2.5])
     monkeypatch.setattr(campaign, "tau_eval", lambda *a: {"tau_mean": next(taus), "tau": {}})
-
-    def git(*args: str) -> None:
-        subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
-
-    git("init", "-q")
     # nothing committed: the first checkpoint always lands; then it is committed
-    first = campaign.run_eval(
-        "t", drafter_dir, 1, 8, "eval", repo_root=repo, rejected_root=tmp_path / "rejected"
-    )
+    first = repo.evaluate()
     assert first["kept"] and first["committed_tau_mean"] is None
-    git("add", "-A")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "checkpoint")
+    repo.commit()
     committed_weights = _weights(drafter_dir)
 
-    campaign.run_sitting(recipe=None, max_steps=2, **kwargs)  # a worse sitting (tau 1.5)
+    repo.sitting(2)  # a worse sitting (tau 1.5)
     assert campaign.read_state(drafter_dir).step == 3
-    worse = campaign.run_eval(
-        "t", drafter_dir, 1, 8, "eval", repo_root=repo, rejected_root=tmp_path / "rejected"
-    )
+    worse = repo.evaluate()
     assert not worse["kept"] and worse["committed_tau_mean"] == 2.0
     assert campaign.read_state(drafter_dir).step == 1  # the committed state is back
     for name, value in _weights(drafter_dir).items():
         np.testing.assert_array_equal(value, committed_weights[name])
-    assert len(list((tmp_path / "rejected").iterdir())) == 1
+    assert len(list(repo.rejected.iterdir())) == 1
     stages = [s["stage"] for s in campaign.read_sittings(drafter_dir)]
     assert stages == ["sitting", "eval", "sitting", "eval"]  # the log keeps the rejected one
 
-    campaign.run_sitting(recipe=None, max_steps=1, **kwargs)  # a better one (tau 2.5)
-    better = campaign.run_eval(
-        "t", drafter_dir, 1, 8, "eval", repo_root=repo, rejected_root=tmp_path / "rejected"
-    )
+    repo.sitting(1)  # a better one (tau 2.5)
+    better = repo.evaluate()
     assert better["kept"] and campaign.read_state(drafter_dir).eval["tau_mean"] == 2.5
 
 
@@ -517,51 +530,34 @@ def test_eval_judges_on_the_eval_set_where_the_committed_checkpoint_was_measured
     real loop's on a few prompts (which moved by about a sitting's gain), where the sittings
     logs hold it for both checkpoints; before the committed one was measured, the loop's
     tau decides."""
-    import subprocess
-
-    target, target_dir = tiny
-    repo = tmp_path / "repo"
-    drafter_dir = repo / "engine" / "models" / "x_drafter"
-    corpus = (_records(6, target.vocab_size), _records(2, target.vocab_size, seed=1))
-    kwargs = _sitting_args(target_dir, drafter_dir, tmp_path, corpus)
-    campaign.run_sitting(recipe=_tiny_recipe(), max_steps=1, **kwargs)
+    repo = _CheckpointRepo(tiny, tmp_path)
+    drafter_dir = repo.drafter_dir
     loop_taus = iter([2.0, 1.5, 2.5])  # the real loop's: worse, then better
     gate_taus = iter([1.60, 1.70, 1.65])  # the eval set's: better, then worse
     monkeypatch.setattr(campaign, "tau_eval", lambda *a: {"tau_mean": next(loop_taus), "tau": {}})
 
-    def measure_evalset() -> None:  # as `python -m drafters.dflash.evalset measure --log`
+    def evaluate() -> dict:  # after `python -m drafters.dflash.evalset measure --log`
         state = campaign.read_state(drafter_dir)
         entry = {**campaign.log_entry("evalset", "measure", state),
                  "tau_loop_mean": next(gate_taus)}  # fmt: skip
         campaign.write_json(
             drafter_dir / campaign.SITTINGS_FILE, campaign.read_sittings(drafter_dir) + [entry]
         )
+        return repo.evaluate()
 
-    def git(*args: str) -> None:
-        subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
-
-    def evaluate() -> dict:
-        measure_evalset()
-        return campaign.run_eval(
-            "t", drafter_dir, 1, 8, "eval", repo_root=repo, rejected_root=tmp_path / "rejected"
-        )
-
-    git("init", "-q")
     first = evaluate()
     assert first["kept"] and first["judged_on"] == "eval"  # nothing committed to compare
-    git("add", "-A")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "checkpoint")
-    assert campaign.committed_gate(drafter_dir, repo) == 1.60
+    repo.commit()
+    assert campaign.committed_gate(drafter_dir, repo.root) == 1.60
 
-    campaign.run_sitting(recipe=None, max_steps=1, **kwargs)
+    repo.sitting(1)
     better = evaluate()  # the loop says 1.5 < 2.0, the eval set 1.70 >= 1.60: kept
     assert better["kept"] and better["judged_on"] == "evalset"
     assert better["committed_evalset_tau_loop_mean"] == 1.60
     assert campaign.read_state(drafter_dir).step == 2
-    git("add", "-A")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "checkpoint 2")
+    repo.commit()
 
-    campaign.run_sitting(recipe=None, max_steps=1, **kwargs)
+    repo.sitting(1)
     worse = evaluate()  # the loop says 2.5 >= 1.5, the eval set 1.65 < 1.70: restored
     assert not worse["kept"] and worse["judged_on"] == "evalset"
     assert campaign.read_state(drafter_dir).step == 2

@@ -32,7 +32,8 @@
   (`exit_price`). A step that continues a run pays neither. Charged to every drafting step,
   the end of a run made a run's every step look dearer than it is: SmolLM2 at c=1 drafting
   DFlash at depth 1 cost 14.5 ms more than a plain step in a run and was priced at 21.7, so
-  the controller stayed plain where depth 1 throughout was 1.12x on chat. And the backlog
+  the controller stayed plain on chat, where a fixed depth 1 read 1.12x in one run (the
+  change's own effect on wall time stayed within the host's noise). And the backlog
   each DFlash row's drafter forward
   writes first (rows committed while it sat out, the prompt at its first proposal; seconds
   per row learned from catch-up steps as a ratio of decayed sums, only where a drafting step
@@ -636,7 +637,7 @@ class AdaptiveDepthPolicy:
         # What any drafting choice costs beyond its positions: starting a run (the plain step
         # looked ahead, thrown away, and the run's end), and each DFlash row's backlog its
         # drafter forward writes first.
-        discard = self.entry_price(batch)
+        entry = self.entry_price(batch)
         extra_cost = {d: self.cost.extra_pricer(batch, d) for d in (False, True)}
         best, best_rate, best_extra = None, plain_rate, 0
         table = [(0, plain_value, plain, False)]  # rounded only when read (state())
@@ -647,7 +648,7 @@ class AdaptiveDepthPolicy:
             for i, (extra, expected, drafting, backlog, picks, _) in enumerate(candidates):
                 if value_of is not None:
                     expected = float(values[i])
-                cost = plain + extra_cost[drafting](extra) + discard
+                cost = plain + extra_cost[drafting](extra) + entry
                 cost += self.catchup_row_seconds * backlog
                 rate = expected / cost
                 table.append((extra, expected, cost, drafting))

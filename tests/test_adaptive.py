@@ -492,8 +492,8 @@ def test_a_drafting_step_is_charged_its_cadence_and_a_run_its_end_once():
 def test_a_drafting_run_is_continued_where_starting_one_would_not_pay():
     """Drafting that pays step by step is kept up once started (by a probe), even where
     starting it after a plain step, which pays for the run's end, would not pay: SmolLM2 at
-    c=1 drafted DFlash at depth 1 for 1.12x of plain on chat, but with every drafting step
-    charged the run's end the controller stayed plain (0.97x)."""
+    c=1 drafted DFlash at depth 1 for 1.12x of plain on chat in one run, but with every
+    drafting step charged the run's end the controller stayed plain (0.96x)."""
     requests = make_requests(1)
     rid = requests[0].request_id
     options = {rid: DraftOptions((DFLASH,), 0, {DFLASH: 3})}

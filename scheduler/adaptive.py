@@ -704,10 +704,15 @@ class AdaptiveDepthPolicy:
         # out, the prompt at a request's first proposal) costs a one-off: learning drafting's
         # marginal price from it would make every later draft look dearer.
         catching_up = result.draft_context_rows > result.verify_tokens
-        if result.batch_size:
-            self._learn_exit(result)
+        seconds, loop_measured = self._step_seconds(result) if result.batch_size else (0.0, False)
+        # The loop-measured plain step right after a loop-measured draft: the run's end.
+        run_end = (
+            loop_measured and self._draft_measured and result.verify_tokens <= result.batch_size
+        )
+        if run_end:
+            self._learn_exit(result.batch_size, seconds)
         if result.batch_size and not catching_up:
-            seconds = self._observe_cost(result)
+            self._observe_cost(result, seconds, run_end)
             drafting = result.drafted_rows > 0  # a drafter forward ran
             self.last_choice["measured"] = seconds
             depths = [o.drafted for o in result.outcomes.values()]
@@ -718,7 +723,7 @@ class AdaptiveDepthPolicy:
             self._learn_catchup(result)
         if result.batch_size:
             self._drafted_last = result.verify_tokens > result.batch_size
-            self._draft_measured = self._drafted_last and self._step_seconds(result)[1]
+            self._draft_measured = self._drafted_last and loop_measured
         if self.guard is not None:
             tokens = sum(len(o.tokens) for o in result.outcomes.values())
             # A catch-up counts here: a held batch never pays it, so the whole-loop comparison
@@ -739,37 +744,30 @@ class AdaptiveDepthPolicy:
         self._active = set(result.outcomes)
 
     # ----------------------------------------------------------------- internals
-    def _observe_cost(self, result: StepResult) -> float:
-        """Teach the cost model one step; returns the seconds it was charged.
+    def _observe_cost(self, result: StepResult, seconds: float, run_end: bool) -> None:
+        """Teach the cost model one step, charged `seconds` (`_step_seconds`).
 
         A step costs what it takes from the loop's throughput: its cadence, where the loop
         measured one on a step without prefill (bundled pair, 8 rows: a plain step 12.9 ms
         against a forward of 14.1, as its forward overlaps the loop's work; a drafting step
         24.2 ms against 20.4). The plain step right after drafting has no such overlap (17.99
-        ms, not 12.9): that excess is the price of ending a drafting run, learned apart
-        (`_learn_exit`) and priced when a run starts, so that step teaches nothing here.
+        ms, not 12.9): that excess is the price of ending a drafting run (`run_end`), learned
+        apart (`_learn_exit`) and priced when a run starts, so that step teaches nothing here.
         Priced by their forwards alone, drafts that cost 2.3 plain steps of the loop's time
         looked like 1.4 and were taken for 1.9 steps' tokens.
         """
-        seconds, loop_measured = self._step_seconds(result)
-        plain = result.verify_tokens <= result.batch_size
-        if plain and loop_measured and self._draft_measured:
-            return seconds  # its cadence is the run's end (`_learn_exit`), not a plain step's
+        if run_end:
+            return  # its cadence is the run's end, not a plain step's
         drafting = result.drafted_rows > 0
         self.cost.observe(
             result.batch_size, result.verify_tokens, result.prefill_tokens, drafting, seconds
         )
-        return seconds
 
-    def _learn_exit(self, result: StepResult) -> None:
-        """Learn what ending a drafting run costs from the loop-measured plain step right
-        after a loop-measured draft: its excess over a plain step of its rows."""
-        seconds, loop_measured = self._step_seconds(result)
-        plain = result.verify_tokens <= result.batch_size
-        if not (plain and loop_measured and self._draft_measured):
-            return
-        excess = max(0.0, seconds - self.cost.predict_plain(result.batch_size))
-        bucket = _batch_bucket(result.batch_size)
+    def _learn_exit(self, batch: int, seconds: float) -> None:
+        """Learn what ending a drafting run costs from a run's end (see `observe`): that
+        plain step's excess over a plain step of its rows."""
+        excess = max(0.0, seconds - self.cost.predict_plain(batch))
+        bucket = _batch_bucket(batch)
         known = self._exit_seconds.get(bucket)
         self._exit_seconds[bucket] = (
             excess if known is None else known + EXIT_ALPHA * (excess - known)

@@ -251,7 +251,7 @@ class Scheduler:
         return need <= self.limits.kv_cache_bytes
 
     def _options(self, request: Request) -> DraftOptions:
-        allowed = [s for s in self.sources if may_draft(request.params, s, self.sources)]
+        allowed = [s for s in self.sources if may_draft(request.params, s)]
         return row_options(allowed, request.lookup_match, self.source_depths)
 
     def _choose(self, options: dict[str, DraftOptions]) -> tuple[dict[str, int], dict[str, str]]:

@@ -952,10 +952,10 @@ def run_sitting(
 
 
 # =================================================================== held-out tau
-def committed_eval(drafter_dir: Path, repo_root: Path = REPO_ROOT) -> dict[str, Any] | None:
-    """The eval of the checkpoint committed at HEAD (None: nothing committed yet)."""
+def committed_file(drafter_dir: Path, name: str, repo_root: Path = REPO_ROOT) -> str | None:
+    """The text of `drafter_dir / name` as committed at HEAD (None: not committed)."""
     try:
-        rel = (drafter_dir / STATE_FILE).resolve().relative_to(repo_root.resolve())
+        rel = (drafter_dir / name).resolve().relative_to(repo_root.resolve())
         out = subprocess.run(
             ["git", "-C", str(repo_root), "show", f"HEAD:{rel}"],
             capture_output=True,
@@ -964,7 +964,15 @@ def committed_eval(drafter_dir: Path, repo_root: Path = REPO_ROOT) -> dict[str, 
         )
     except (ValueError, subprocess.CalledProcessError, FileNotFoundError):
         return None
-    return json.loads(out.stdout).get("eval") or {"tau_mean": 0.0}
+    return out.stdout
+
+
+def committed_eval(drafter_dir: Path, repo_root: Path = REPO_ROOT) -> dict[str, Any] | None:
+    """The eval of the checkpoint committed at HEAD (None: nothing committed yet)."""
+    state = committed_file(drafter_dir, STATE_FILE, repo_root)
+    if state is None:
+        return None
+    return json.loads(state).get("eval") or {"tau_mean": 0.0}
 
 
 def logged_gate(sittings: list[dict[str, Any]], step: int) -> float | None:
@@ -979,18 +987,11 @@ def logged_gate(sittings: list[dict[str, Any]], step: int) -> float | None:
 
 def committed_gate(drafter_dir: Path, repo_root: Path = REPO_ROOT) -> float | None:
     """The eval-set tau of the checkpoint committed at HEAD, from HEAD's sittings log."""
-    try:
-        rel = drafter_dir.resolve().relative_to(repo_root.resolve())
-        shown = [
-            subprocess.run(
-                ["git", "-C", str(repo_root), "show", f"HEAD:{rel / name}"],
-                capture_output=True, text=True, check=True,
-            ).stdout
-            for name in (STATE_FILE, SITTINGS_FILE)
-        ]  # fmt: skip
-    except (ValueError, subprocess.CalledProcessError, FileNotFoundError):
+    state = committed_file(drafter_dir, STATE_FILE, repo_root)
+    sittings = committed_file(drafter_dir, SITTINGS_FILE, repo_root)
+    if state is None or sittings is None:
         return None
-    return logged_gate(json.loads(shown[1]), json.loads(shown[0]).get("step"))
+    return logged_gate(json.loads(sittings), json.loads(state).get("step"))
 
 
 def tau_eval(

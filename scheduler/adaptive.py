@@ -27,9 +27,12 @@
   choice, not learned into the curves. Entering drafting from a plain step: the plain step
   the runner launched ahead, which drafting now throws away (learned as a share of a plain
   step from the runner's timing of it, and taken off the step's charged cadence), and the
-  end of the drafting run it starts, paid once per run: the plain step after a draft runs
-  without a lookahead, and its excess over a plain step is learned per batch size
-  (`exit_price`). A step that continues a run pays neither. Charged to every drafting step,
+  end of the drafting run it starts: the plain step after a draft runs without a lookahead,
+  and its excess over a plain step is learned per batch size (`exit_price`). The end comes
+  once a run, so a start pays it over the steps runs have lasted (`run_length`, learned;
+  at first 1). A step that continues a run pays neither. A parked valuation that loses only
+  the lookahead it would throw away has the runner launch none (`expects_plain_next`), so the
+  next step starts the run without throwing a step away. Charged to every drafting step,
   the end of a run made a run's every step look dearer than it is: SmolLM2 at c=1 drafting
   DFlash at depth 1 cost 14.5 ms more than a plain step in a run and was priced at 21.7, so
   the controller stayed plain on chat, where a fixed depth 1 read 1.12x in one run (the
@@ -116,6 +119,7 @@ PROBE_BUDGET = 0.02
 CATCHUP_ALPHA = 0.2  # EWMA step of the learned seconds per drafter backlog row
 DISCARD_ALPHA = 0.2  # EWMA step of a thrown-away lookahead's share of a plain step
 EXIT_ALPHA = 0.2  # EWMA step of what ending a drafting run costs (`exit_price`)
+RUN_ALPHA = 0.2  # EWMA step of a drafting run's length in steps (`run_length`)
 
 
 GREEDY = "greedy"  # the acceptance group of T=0 requests, and of requests never enrolled
@@ -516,6 +520,10 @@ class AdaptiveDepthPolicy:
         # throws it away, a forward's worth of work, so a drafting choice pays for it too.
         # Its price is learned as a share of a plain step (at first a whole one).
         self._lookahead_pending = False
+        # A parked valuation found that drafting would win were no lookahead pending: the
+        # runner is then told not to launch one (`expects_plain_next`), so the next step
+        # starts its run without throwing a step away.
+        self._draft_next = False
         self._parked_signature: tuple | None = None  # what the last parking valuation saw
         self._reuse_left = 0
         self.discard_share = 1.0
@@ -533,6 +541,10 @@ class AdaptiveDepthPolicy:
         # What ending a drafting run costs, per batch-size octave: the excess over a plain
         # step of the plain step after a draft, which runs without a lookahead (seconds, EWMA).
         self._exit_seconds: dict[int, float] = {}
+        # How many steps a drafting run lasts (EWMA over ended runs, from 1: a run priced as
+        # if it ended at once), and the steps of the run going on now.
+        self.run_length = 1.0
+        self._run_steps = 0
         self._last_batch = 1
         self._waiting = 0  # requests queued behind the batch (the scheduler tells, each plan)
         # The last choice's valuation (None: every token worth the same), for `lookup_wanted`.
@@ -613,7 +625,8 @@ class AdaptiveDepthPolicy:
         # the valuation's Python runs beside the lookahead's forward, slowing it. Not after a
         # probe: it observed acceptance, and a drafting run it started may be worth going on.
         signature = (self._waiting, tuple((rid, tuple(cap)) for rid, cap in caps.items()))
-        reusable = self._reuse_left and not self._drafted_last
+        reusable = self._reuse_left and not self._drafted_last and not self._draft_next
+        self._draft_next = False
         if self._steps_parked and reusable and signature == self._parked_signature:
             self._reuse_left -= 1
             choice, sources = self._park_or_probe(requests, caps, backlogs, "not_worth_it")
@@ -638,8 +651,12 @@ class AdaptiveDepthPolicy:
         # looked ahead, thrown away, and the run's end), and each DFlash row's backlog its
         # drafter forward writes first.
         entry = self.entry_price(batch)
+        # The thrown-away lookahead inside `entry`: the lookahead is launched because this
+        # valuation parks, so whether a run would start without it decides the next one.
+        discard = self.discard_share * plain if self._lookahead_pending and entry else 0.0
         extra_cost = {d: self.cost.extra_pricer(batch, d) for d in (False, True)}
         best, best_rate, best_extra = None, plain_rate, 0
+        best_rate_undiscarded = plain_rate
         table = [(0, plain_value, plain, False)]  # rounded only when read (state())
         for allow_dflash in scenarios:
             candidates = list(self._candidates(gains, allow_dflash, max_depth, limit, backlogs))
@@ -654,10 +671,12 @@ class AdaptiveDepthPolicy:
                 table.append((extra, expected, cost, drafting))
                 if rate >= plain_rate * margin and rate > best_rate * 1.0001:
                     best, best_rate, best_extra = picks, rate, extra
+                best_rate_undiscarded = max(best_rate_undiscarded, expected / (cost - discard))
         choice, sources = best() if best is not None else ({r.request_id: 0 for r in requests}, {})
         exploring = best_extra >= limit > 0
         if not any(choice.values()):
             self._parked_signature, self._reuse_left = signature, PARKED_REUSE - 1
+            self._draft_next = discard > 0 and best_rate_undiscarded >= plain_rate * margin
             choice, sources = self._park_or_probe(requests, caps, backlogs, "not_worth_it")
         else:
             self._steps_parked = 0
@@ -724,6 +743,7 @@ class AdaptiveDepthPolicy:
         if result.batch_size:
             self._drafted_last = result.verify_tokens > result.batch_size
             self._draft_measured = self._drafted_last and loop_measured
+            self._count_run(self._drafted_last)
         if self.guard is not None:
             tokens = sum(len(o.tokens) for o in result.outcomes.values())
             # A catch-up counts here: a held batch never pays it, so the whole-loop comparison
@@ -785,14 +805,31 @@ class AdaptiveDepthPolicy:
         scale = self.cost.predict_plain(batch) / self.cost.predict_plain(2**near)
         return self._exit_seconds[near] * scale
 
+    def _count_run(self, drafted: bool) -> None:
+        """Count a step into the drafting run going on, or close the run it ends."""
+        if drafted:
+            self._run_steps += 1
+        elif self._run_steps:
+            self.run_length += RUN_ALPHA * (self._run_steps - self.run_length)
+            self._run_steps = 0
+
+    def start_price(self, batch: int) -> float:
+        """The share of its run's end that starting a drafting run pays now: the end comes
+        once a run, and runs have lasted `run_length` steps, each of which gains over plain
+        steps (charged whole to the first step, a run only started where one step alone
+        paid for its end: SmolLM2 at c=1 on chat needed 0.5 first-draft acceptance to start
+        a run that pays from 0.25 on)."""
+        return self.exit_price(batch) / max(1.0, self.run_length)
+
     def entry_price(self, batch: int) -> float:
         """What a drafting choice pays beyond its positions for starting a drafting run: the
-        lookahead it throws away and the run's end. Nothing when it continues a run."""
+        lookahead it throws away and its share of the run's end. Nothing when it continues a
+        run."""
         if self._drafted_last:
             return 0.0
         plain = self.cost.predict_plain(batch)
         discard = self.discard_share * plain if self._lookahead_pending else 0.0
-        return discard + self.exit_price(batch)
+        return discard + self.start_price(batch)
 
     @staticmethod
     def _step_seconds(result: StepResult) -> tuple[float, bool]:
@@ -1053,9 +1090,9 @@ class AdaptiveDepthPolicy:
         batch = max(1, self._last_batch)
         plain = self.cost.predict_plain(batch)
         pricer = self.cost.extra_pricer(batch, drafting=False)  # seconds for k more positions
-        # A draft after a plain step starts a run, whose end it pays for (not the lookahead:
-        # the runner skips that for the rows wanted).
-        start = 0.0 if self._drafted_last else self.exit_price(batch)
+        # A draft after a plain step starts a run, and pays its share of the run's end (not
+        # the lookahead: the runner skips that for the rows wanted).
+        start = 0.0 if self._drafted_last else self.start_price(batch)
 
         def widen(k: int) -> float:
             return pricer(k) + start
@@ -1091,10 +1128,14 @@ class AdaptiveDepthPolicy:
         return wanted
 
     def expects_plain_next(self) -> bool:
-        """Parked now: the next step parks too unless a probe falls due (or the measured
-        costs, the batch or a new lookup match change the decision, which the runner then
-        absorbs)."""
-        return self.holds_drafting(self._last_batch) or self._due_probe() is None
+        """Parked now: the next step parks too unless a probe falls due, or this step's
+        valuation parked only for the lookahead it would have thrown away (so none is
+        launched, and the next step starts a drafting run at the price of its end alone).
+        The measured costs, the batch or a new lookup match may still change the decision,
+        which the runner then absorbs."""
+        if self.holds_drafting(self._last_batch):
+            return True
+        return not self._draft_next and self._due_probe() is None
 
     def seed(self, samples: list[tuple[int, int, float]]) -> None:
         """Seed the cost model with a warm-up profile: (batch, width, seconds) triples of
@@ -1130,6 +1171,7 @@ class AdaptiveDepthPolicy:
             "catchup_row_seconds": self.catchup_row_seconds,
             "discard_share": round(self.discard_share, 3),
             "exit_seconds": {2**b: round(v, 5) for b, v in sorted(self._exit_seconds.items())},
+            "run_length": round(self.run_length, 2),
             "steps_parked": self._steps_parked,
             "last_choice": {
                 **self.last_choice,

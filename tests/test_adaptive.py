@@ -489,31 +489,41 @@ def test_a_drafting_step_is_charged_its_cadence_and_a_run_its_end_once():
     assert abs(policy.exit_price(16) - ended * 0.0258 / policy.cost.predict_plain(8)) < 1e-9
 
 
-def test_a_drafting_run_is_continued_where_starting_one_would_not_pay():
-    """Drafting that pays step by step is kept up once started (by a probe), even where
-    starting it after a plain step, which pays for the run's end, would not pay: SmolLM2 at
-    c=1 drafted DFlash at depth 1 for 1.12x of plain on chat in one run, but with every
-    drafting step charged the run's end the controller stayed plain (0.96x)."""
+def _one_dflash_row(first: float):
+    """A controller that measured a 58 ms plain step of one row, and that row (DFlash up to
+    depth 3, first-draft acceptance `first`, 0.4 then 0.3 after); (policy, requests, id,
+    options, step), where step(seconds, drafted, looked_ahead=False) observes a step."""
     requests = make_requests(1)
     rid = requests[0].request_id
     options = {rid: DraftOptions((DFLASH,), 0, {DFLASH: 3})}
     policy = AdaptiveDepthPolicy(warmup_steps=0)
     _plain_steps(policy, 1, 0.058)
-    policy.acceptance.per_request[rid] = [0.4, 0.4, 0.3] + [0.3] * (policy.max_depth - 3)
+    policy.acceptance.per_request[rid] = [first, 0.4, 0.3] + [0.3] * (policy.max_depth - 3)
 
-    def draft(seconds: float) -> None:
-        policy.observe(StepResult(batch_size=1, verify_tokens=2, drafted_rows=1,
-                                  cadence_seconds=seconds, forward_seconds=seconds))  # fmt: skip
+    def step(seconds: float, drafted: bool, looked_ahead: bool = False) -> None:
+        policy.observe(StepResult(
+            batch_size=1, verify_tokens=2 if drafted else 1, drafted_rows=int(drafted),
+            cadence_seconds=seconds, forward_seconds=0.0725 if drafted else 0.058,
+            looked_ahead=looked_ahead,
+        ))  # fmt: skip
 
+    return policy, requests, rid, options, step
+
+
+def test_a_drafting_run_is_continued_where_starting_one_would_not_pay():
+    """Drafting that pays step by step is kept up once started (by a probe), even where
+    starting it after a plain step, which pays for the run's end, would not pay: SmolLM2 at
+    c=1 drafted DFlash at depth 1 for 1.12x of plain on chat in one run, but with every
+    drafting step charged the run's end the controller stayed plain (0.96x)."""
+    policy, requests, rid, options, step = _one_dflash_row(0.4)
     for _ in range(4):  # a run of depth-1 drafts, 14.5 ms dearer than a plain step
-        draft(0.0725)
-    policy.observe(StepResult(batch_size=1, verify_tokens=1, cadence_seconds=0.093,
-                              forward_seconds=0.058))  # the run's end: 35 ms lost  # fmt: skip
+        step(0.0725, True)
+    step(0.093, False)  # the run's end: 35 ms lost
     depths, _ = policy.choose_drafts(requests, options)
     # after a plain step: 1.4 tokens in 72.5 ms + the end's share (35 ms over runs of 1.6
     # steps) against 1 in 58
     assert depths[rid] == 0
-    draft(0.0725)  # a probe drafts
+    step(0.0725, True)  # a probe drafts
     depths, sources = policy.choose_drafts(requests, options)
     assert depths[rid] >= 1 and sources[rid] == DFLASH  # continued: 1.4 tokens in 72.5 ms
 
@@ -523,27 +533,15 @@ def test_a_run_that_pays_but_for_the_pending_lookahead_starts_without_one():
     to launch none, so the next step starts the run at the price of the run's end alone. Each
     parked step used to launch one, so every start of a run paid a whole thrown-away plain
     step on top: SmolLM2 at c=1 on chat drafted on 3% of steps, where depth 1 in a run pays."""
-    requests = make_requests(1)
-    rid = requests[0].request_id
-    options = {rid: DraftOptions((DFLASH,), 0, {DFLASH: 3})}
-    policy = AdaptiveDepthPolicy(warmup_steps=0)
-    _plain_steps(policy, 1, 0.058)
-    policy.acceptance.per_request[rid] = [0.7, 0.3, 0.3] + [0.3] * (policy.max_depth - 3)
-
-    def step(seconds: float, drafted: bool, looked_ahead: bool) -> None:
-        policy.observe(StepResult(
-            batch_size=1, verify_tokens=2 if drafted else 1, drafted_rows=int(drafted),
-            cadence_seconds=seconds, forward_seconds=seconds, looked_ahead=looked_ahead,
-        ))  # fmt: skip
-
+    policy, requests, rid, options, step = _one_dflash_row(0.7)
     for _ in range(4):  # a run of depth-1 drafts, 14.5 ms dearer than a plain step
-        step(0.0725, True, False)
-    step(0.078, False, True)  # the run's end (20 ms lost), and a lookahead launched after it
+        step(0.0725, True)
+    step(0.078, False, looked_ahead=True)  # the run's end (20 ms lost), a lookahead after it
     depths, _ = policy.choose_drafts(requests, options)
     # 1.7 tokens in 72.5 + 20 ms beats 1 in 58, but not with 58 more thrown away
     assert depths[rid] == 0
     assert not policy.expects_plain_next()  # so no lookahead now
-    step(0.058, False, False)
+    step(0.058, False)
     depths, sources = policy.choose_drafts(requests, options)
     assert depths[rid] >= 1 and sources[rid] == DFLASH
 
@@ -552,18 +550,7 @@ def test_a_run_start_pays_its_end_over_the_length_runs_have_lasted():
     """The end of a drafting run comes once a run: where runs have lasted several steps, a
     start pays a share of it, and a run that gains step by step is started after a plain
     step (charged its whole end, such a run started only where one step paid for it)."""
-    requests = make_requests(1)
-    rid = requests[0].request_id
-    options = {rid: DraftOptions((DFLASH,), 0, {DFLASH: 3})}
-    policy = AdaptiveDepthPolicy(warmup_steps=0)
-    _plain_steps(policy, 1, 0.058)
-    policy.acceptance.per_request[rid] = [0.4, 0.4, 0.3] + [0.3] * (policy.max_depth - 3)
-
-    def step(seconds: float, drafted: bool) -> None:
-        policy.observe(StepResult(batch_size=1, verify_tokens=2 if drafted else 1,
-                                  drafted_rows=int(drafted), cadence_seconds=seconds,
-                                  forward_seconds=seconds))  # fmt: skip
-
+    policy, requests, rid, options, step = _one_dflash_row(0.4)
     assert policy.run_length == 1.0
     for _ in range(6):  # runs of 8 depth-1 drafts (14.5 ms dearer), each ended (20 ms lost)
         for _ in range(8):

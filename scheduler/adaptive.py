@@ -581,6 +581,8 @@ class AdaptiveDepthPolicy:
         self.parked_reasons = {}
         self._steps += 1
         self._last_batch = max(1, len(requests))
+        # Read once: every path below either sets it anew or leaves it off.
+        draft_next, self._draft_next = self._draft_next, False
         batch = len(requests)
         if self.holds_drafting(batch):  # before any per-row work: a held step asks nothing of rows
             self.last_sources = {}
@@ -625,8 +627,7 @@ class AdaptiveDepthPolicy:
         # the valuation's Python runs beside the lookahead's forward, slowing it. Not after a
         # probe: it observed acceptance, and a drafting run it started may be worth going on.
         signature = (self._waiting, tuple((rid, tuple(cap)) for rid, cap in caps.items()))
-        reusable = self._reuse_left and not self._drafted_last and not self._draft_next
-        self._draft_next = False
+        reusable = self._reuse_left and not self._drafted_last and not draft_next
         if self._steps_parked and reusable and signature == self._parked_signature:
             self._reuse_left -= 1
             choice, sources = self._park_or_probe(requests, caps, backlogs, "not_worth_it")
@@ -653,7 +654,7 @@ class AdaptiveDepthPolicy:
         entry = self.entry_price(batch)
         # The thrown-away lookahead inside `entry`: the lookahead is launched because this
         # valuation parks, so whether a run would start without it decides the next one.
-        discard = self.discard_share * plain if self._lookahead_pending and entry else 0.0
+        discard = self._discard_price(plain) if entry else 0.0
         extra_cost = {d: self.cost.extra_pricer(batch, d) for d in (False, True)}
         best, best_rate, best_extra = None, plain_rate, 0
         best_rate_undiscarded = plain_rate
@@ -827,9 +828,11 @@ class AdaptiveDepthPolicy:
         run."""
         if self._drafted_last:
             return 0.0
-        plain = self.cost.predict_plain(batch)
-        discard = self.discard_share * plain if self._lookahead_pending else 0.0
-        return discard + self.start_price(batch)
+        return self._discard_price(self.cost.predict_plain(batch)) + self.start_price(batch)
+
+    def _discard_price(self, plain: float) -> float:
+        """What drafting now throws away: the plain step launched ahead, if one is pending."""
+        return self.discard_share * plain if self._lookahead_pending else 0.0
 
     @staticmethod
     def _step_seconds(result: StepResult) -> tuple[float, bool]:

@@ -534,15 +534,15 @@ class AdaptiveDepthPolicy:
         self._last_drafted: dict[str, int] = {}  # request id -> step it last drafted
         self._active: set[str] = set()
         self._joined_held: set[str] = set()  # requests that joined while the guard held (told it)
-        # Whether the last step drafted (a choice now continues its run, or starts one), and
-        # whether the loop measured it (the next step's cadence then shows the run's end).
-        self._drafted_last = False
+        # Whether the loop measured the last step, where it drafted (the next step's cadence
+        # then shows the run's end); whether it drafted is `_drafted_last`.
         self._draft_measured = False
         # What ending a drafting run costs, per batch-size octave: the excess over a plain
         # step of the plain step after a draft, which runs without a lookahead (seconds, EWMA).
         self._exit_seconds: dict[int, float] = {}
         # How many steps a drafting run lasts (EWMA over ended runs, from 1: a run priced as
-        # if it ended at once), and the steps of the run going on now.
+        # if it ended at once), and the steps of the run going on now (0: the last step was
+        # plain).
         self.run_length = 1.0
         self._run_steps = 0
         self._last_batch = 1
@@ -742,9 +742,9 @@ class AdaptiveDepthPolicy:
         elif result.batch_size:
             self._learn_catchup(result)
         if result.batch_size:
-            self._drafted_last = result.verify_tokens > result.batch_size
-            self._draft_measured = self._drafted_last and loop_measured
-            self._count_run(self._drafted_last)
+            drafted = result.verify_tokens > result.batch_size
+            self._draft_measured = drafted and loop_measured
+            self._count_run(drafted)
         if self.guard is not None:
             tokens = sum(len(o.tokens) for o in result.outcomes.values())
             # A catch-up counts here: a held batch never pays it, so the whole-loop comparison
@@ -805,6 +805,11 @@ class AdaptiveDepthPolicy:
         near = min(self._exit_seconds, key=lambda b: (abs(b - bucket), b))
         scale = self.cost.predict_plain(batch) / self.cost.predict_plain(2**near)
         return self._exit_seconds[near] * scale
+
+    @property
+    def _drafted_last(self) -> bool:
+        """The last step drafted: a choice now continues its run (else it starts one)."""
+        return self._run_steps > 0
 
     def _count_run(self, drafted: bool) -> None:
         """Count a step into the drafting run going on, or close the run it ends."""

@@ -54,6 +54,18 @@ def test_cursor_advances_through_passes_and_shards_then_wraps():
     assert (cursor.shard, cursor.pass_, cursor.position, cursor.wraps) == (1, 0, 0, 0)
 
 
+def test_a_detour_over_fresh_shards_runs_to_the_corpus_end_then_goes_back():
+    cursor = Cursor(shard=1, wraps=2)
+    cursor.visit_fresh(3)
+    assert (cursor.shard, cursor.return_to) == (3, 1)
+    assert cursor.advance(4, 4, 5, 1) and (cursor.shard, cursor.return_to) == (4, 1)
+    assert cursor.advance(4, 4, 5, 1)
+    # back where it left, in the same wrap
+    assert (cursor.shard, cursor.return_to, cursor.wraps) == (1, -1, 2)
+    cursor.visit_fresh(1)  # the fresh records are in the shard it is on: no detour
+    assert (cursor.shard, cursor.return_to) == (1, -1)
+
+
 def test_shards_cover_the_corpus_once_and_absorb_a_small_tail():
     shards = campaign.shard_slices(1100, 512)
     assert [len(s) for s in shards] == [512, 588]  # a 76-record tail joins the last shard
@@ -175,6 +187,38 @@ def test_sitting_checkpoints_into_the_directory_and_the_next_one_resumes(tiny, t
     with pytest.raises(ValueError, match="keeps block_size"):
         campaign.run_sitting(recipe=None, max_steps=1, retune={"block_size": 8}, **kwargs)
     assert campaign.read_state(drafter_dir).step == 8
+
+
+def test_a_grown_corpus_trains_its_fresh_shards_first_then_goes_back(tiny, tmp_path):
+    target, target_dir = tiny
+    old, held_out = _records(10, target.vocab_size), _records(2, target.vocab_size, seed=1)
+    drafter_dir = tmp_path / "drafter"
+    kwargs = _sitting_args(target_dir, drafter_dir, tmp_path, (old, held_out))
+    campaign.run_sitting(recipe=_tiny_recipe(), max_steps=7, **kwargs)
+    state = campaign.read_state(drafter_dir)
+    # shards of 4, 4 and 2 records, one pass, 2 a step: wrapped once, at shard 1's start
+    assert (state.cursor.shard, state.cursor.position, state.cursor.wraps) == (1, 0, 1)
+    assert state.records_reached == 10
+
+    # 8 new records: shards 0-8, 8-12, 12-16, 16-18; record 10 (the first new) is in shard 2
+    grown = old + _records(8, target.vocab_size, seed=2)
+    kwargs["corpus"] = (grown, held_out)
+    campaign.run_sitting(recipe=None, max_steps=2, **kwargs)
+    state = campaign.read_state(drafter_dir)
+    assert (state.cursor.shard, state.cursor.return_to) == (3, 1)  # shard 2 done, shard 3 next
+    assert state.records_reached == 12
+    campaign.run_sitting(recipe=None, max_steps=4, **kwargs)  # shards 3 and 4, then shard 1
+    state = campaign.read_state(drafter_dir)
+    assert (state.cursor.shard, state.cursor.position, state.cursor.wraps) == (1, 2, 1)
+    assert (state.cursor.return_to, state.records_reached) == (-1, 18)
+
+
+def test_a_campaign_from_before_the_fresh_first_rule_counts_what_it_reached():
+    shards = campaign.shard_slices(20, 4)
+    early = campaign.State(cursor=Cursor(shard=3, position=2))
+    assert campaign.records_reached_before(early, [], shards) == 12
+    wrapped = campaign.State(cursor=Cursor(shard=1, wraps=1))
+    assert campaign.records_reached_before(wrapped, [{"corpus_records": 16}], shards) == 16
 
 
 def test_weight_average_is_what_is_measured_and_shipped_while_training_goes_on(tiny, tmp_path):

@@ -30,7 +30,11 @@ written, minus a fixed held-out slice (keys whose hash is 0 mod `VAL_MODULUS`), 
 (plus its top-k next-token log-probabilities, for the levers), in a per-machine cache under
 `~/.cache/flashbatch/campaign/`, trains `passes_per_shard` passes over it (fresh anchors each
 pass), moves on, and wraps to shard 0 once the corpus is used up. A corpus grown by new parts
-just has more shards.
+has more shards, and they come first: at the next shard boundary the cursor goes to the shard
+holding the first record no sitting has trained (`State.records_reached`), trains on to the
+corpus's end, then goes back to the shard it left. Fresh records teach the drafter more than a
+fourth visit to old ones (it memorises what it has seen: a shard trained a sitting ago scores
+tau 0.16 above held-out records), so they should not wait most of a wrap.
 """
 
 from __future__ import annotations
@@ -160,6 +164,19 @@ class Cursor:
     pass_: int = 0
     position: int = 0
     wraps: int = 0
+    return_to: int = -1  # on a detour over fresh shards: the shard to go back to (-1: none)
+
+    def at_shard_start(self) -> bool:
+        return self.pass_ == 0 and self.position == 0
+
+    def visit_fresh(self, shard: int) -> None:
+        """Go to `shard`, which holds records no sitting has trained, and on from it to the
+        corpus's end; then back to the shard the cursor was about to start."""
+        if shard == self.shard:
+            return
+        if self.return_to < 0:
+            self.return_to = self.shard
+        self.shard = shard
 
     def advance(self, records: int, shard_size: int, num_shards: int, passes: int) -> bool:
         """Move past `records` records of a shard of `shard_size`; True when the shard changed
@@ -173,7 +190,9 @@ class Cursor:
             return False
         self.pass_ = 0
         self.shard += 1
-        if self.shard >= num_shards:
+        if self.return_to >= 0 and self.shard >= num_shards:  # the detour is over
+            self.shard, self.return_to = self.return_to, -1
+        elif self.shard >= num_shards:
             self.shard = 0
             self.wraps += 1
         return True
@@ -192,6 +211,9 @@ class State:
     labels_seen: int = 0  # weighted block rows with a label, all sittings
     sequences_seen: int = 0
     cursor: Cursor = field(default_factory=Cursor)
+    # train records (in corpus order) that some sitting has started training on; records past
+    # it are fresh. None: a state from before this was kept (`records_reached_before`).
+    records_reached: int | None = None
     heldout: dict[str, Any] | None = None  # last held-out loss/acc and its step
     eval: dict[str, Any] | None = None  # last accepted tau eval
     saved_at: str = ""
@@ -213,6 +235,7 @@ class State:
             labels_seen=int(raw.get("labels_seen", 0)),
             sequences_seen=int(raw.get("sequences_seen", 0)),
             cursor=Cursor.from_dict(raw.get("cursor", {})),
+            records_reached=raw.get("records_reached"),
             heldout=raw.get("heldout"),
             eval=raw.get("eval"),
             saved_at=raw.get("saved_at", ""),
@@ -248,6 +271,21 @@ def shard_slices(count: int, shard_records: int) -> list[range]:
     if len(bounds) > 2 and bounds[-1] - bounds[-2] < shard_records // 2:
         bounds.pop(-2)
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def shard_holding(shards: list[range], record: int) -> int:
+    """The index of the shard that holds train record `record`."""
+    return next(i for i, shard in enumerate(shards) if record < shard.stop)
+
+
+def records_reached_before(
+    state: State, sittings: list[dict[str, Any]], shards: list[range]
+) -> int:
+    """What a campaign from before `State.records_reached` had reached: the whole corpus of its
+    last sitting once it has wrapped, else the records before the cursor's shard."""
+    if state.cursor.wraps > 0 and sittings and "corpus_records" in sittings[-1]:
+        return int(sittings[-1]["corpus_records"])
+    return shards[min(state.cursor.shard, len(shards) - 1)].start
 
 
 def to_sequences(records: list[dict[str, Any]], max_len: int) -> list[TrainSequence]:
@@ -786,7 +824,7 @@ def run_sitting(
             target, target_dir = load_target(target_name, None, recipe.layers)
             sequences = to_sequences(train_records, recipe.max_len)
             model, vocab = new_drafter(target, target_dir, recipe, sequences)
-            state = State(recipe=recipe)
+            state = State(recipe=recipe, records_reached=0)
             log.info("initialised a drafter in %s (recipe %s)", drafter_dir, asdict(recipe))
         recipe = state.recipe
         trainer = Trainer(
@@ -796,6 +834,8 @@ def run_sitting(
         val_seqs = to_sequences(val[:val_records] if val_records else val, recipe.max_len)
         shards = shard_slices(len(train_seqs), recipe.shard_records)
         sittings = read_sittings(drafter_dir)
+        if state.records_reached is None:
+            state.records_reached = records_reached_before(state, sittings, shards)
         record: dict[str, Any] = {
             "stage": "sitting",
             "command": command,
@@ -864,7 +904,9 @@ def run_sitting(
                 break
             cursor = state.cursor
             if cursor.shard >= len(shards):  # the corpus shrank (never, in practice)
-                cursor.shard, cursor.pass_, cursor.position = 0, 0, 0
+                cursor.shard, cursor.pass_, cursor.position, cursor.return_to = 0, 0, 0, -1
+            if cursor.at_shard_start() and state.records_reached < len(train_seqs):
+                cursor.visit_fresh(shard_holding(shards, state.records_reached))
             shard = shards[cursor.shard]
             shard_seqs = [train_seqs[i] for i in shard]
             t0 = time.time()
@@ -877,6 +919,7 @@ def run_sitting(
             finally:
                 stop.in_features = False
             feature_seconds += time.time() - t0
+            state.records_reached = max(state.records_reached, shard.stop)
             order = np.random.default_rng(
                 [recipe.seed, cursor.shard, cursor.wraps, cursor.pass_]
             ).permutation(len(shard_seqs))

@@ -207,6 +207,8 @@ def test_a_grown_corpus_trains_its_fresh_shards_first_then_goes_back(tiny, tmp_p
     state = campaign.read_state(drafter_dir)
     assert (state.cursor.shard, state.cursor.return_to) == (3, 1)  # shard 2 done, shard 3 next
     assert state.records_reached == 12
+    card = campaign.write_card(drafter_dir, "tiny").read_text()
+    assert "on a detour over the fresh shards before going back to shard 1" in card
     campaign.run_sitting(recipe=None, max_steps=4, **kwargs)  # shards 3 and 4, then shard 1
     state = campaign.read_state(drafter_dir)
     assert (state.cursor.shard, state.cursor.position, state.cursor.wraps) == (1, 2, 1)

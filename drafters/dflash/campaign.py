@@ -1273,6 +1273,11 @@ def write_card(drafter_dir: Path, target_name: str) -> Path:
     levers = ", ".join(chosen) or "none (full draft-vocabulary cross-entropy, random init)"
     gamma = r.gamma or default_gamma(r.block_size)
     last = state.heldout or {}
+    detour = (
+        f", on a detour over the fresh shards before going back to shard {state.cursor.return_to}"
+        if state.cursor.return_to >= 0
+        else ""
+    )
     now_heldout = (
         f"- Held-out now (the last measure, step {last.get('step')}): offline greedy tau "
         f"{last['tau']:.3f}; accuracy by block row {last.get('acc_by_position')}; tau were the "
@@ -1305,7 +1310,7 @@ z-lab layout: `config.json` + `model.safetensors` (bf16), draft vocabulary in
   {r.shard_records} records, {r.passes_per_shard} passes each; 1 key in {VAL_MODULUS} held out.
 - Now: step {state.step}, {state.labels_seen:,} labels seen, cursor shard
   {state.cursor.shard} pass {state.cursor.pass_} record {state.cursor.position}, corpus
-  wrapped {state.cursor.wraps} time(s).
+  wrapped {state.cursor.wraps} time(s){detour}.
 {now_heldout}
 ## Sittings
 

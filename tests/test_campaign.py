@@ -55,14 +55,15 @@ def test_cursor_advances_through_passes_and_shards_then_wraps():
 
 
 def test_a_detour_over_fresh_shards_runs_to_the_corpus_end_then_goes_back():
-    cursor = Cursor(shard=1, wraps=2)
+    cursor = Cursor(shard=1, pass_=1, position=2, wraps=2)  # half through shard 1
     cursor.visit_fresh(3)
-    assert (cursor.shard, cursor.return_to) == (3, 1)
+    assert (cursor.shard, cursor.pass_, cursor.position, cursor.return_to) == (3, 0, 0, 1)
     assert cursor.advance(4, 4, 5, 1) and (cursor.shard, cursor.return_to) == (4, 1)
     assert cursor.advance(4, 4, 5, 1)
-    # back where it left, in the same wrap
-    assert (cursor.shard, cursor.return_to, cursor.wraps) == (1, -1, 2)
-    cursor.visit_fresh(1)  # the fresh records are in the shard it is on: no detour
+    # back to the start of the shard it left, in the same wrap
+    assert (cursor.shard, cursor.pass_, cursor.position) == (1, 0, 0)
+    assert (cursor.return_to, cursor.wraps) == (-1, 2)
+    cursor.visit_fresh(2)  # the fresh records are in the next shard: no detour
     assert (cursor.shard, cursor.return_to) == (1, -1)
 
 
@@ -194,24 +195,26 @@ def test_a_grown_corpus_trains_its_fresh_shards_first_then_goes_back(tiny, tmp_p
     old, held_out = _records(10, target.vocab_size), _records(2, target.vocab_size, seed=1)
     drafter_dir = tmp_path / "drafter"
     kwargs = _sitting_args(target_dir, drafter_dir, tmp_path, (old, held_out))
-    campaign.run_sitting(recipe=_tiny_recipe(), max_steps=7, **kwargs)
+    campaign.run_sitting(recipe=_tiny_recipe(), max_steps=6, **kwargs)
     state = campaign.read_state(drafter_dir)
-    # shards of 4, 4 and 2 records, one pass, 2 a step: wrapped once, at shard 1's start
-    assert (state.cursor.shard, state.cursor.position, state.cursor.wraps) == (1, 0, 1)
+    # shards of 4, 4 and 2 records, one pass, 2 a step: wrapped once, half through shard 0
+    assert (state.cursor.shard, state.cursor.position, state.cursor.wraps) == (0, 2, 1)
     assert state.records_reached == 10
 
-    # 8 new records: shards 0-8, 8-12, 12-16, 16-18; record 10 (the first new) is in shard 2
+    # 8 new records: shards 0-4, 4-8, 8-12, 12-16, 16-18; record 10, the first new, is in shard 2
     grown = old + _records(8, target.vocab_size, seed=2)
     kwargs["corpus"] = (grown, held_out)
-    campaign.run_sitting(recipe=None, max_steps=2, **kwargs)
+    campaign.run_sitting(recipe=None, max_steps=3, **kwargs)  # shard 2, half of shard 3
     state = campaign.read_state(drafter_dir)
-    assert (state.cursor.shard, state.cursor.return_to) == (3, 1)  # shard 2 done, shard 3 next
-    assert state.records_reached == 12
+    assert (state.cursor.shard, state.cursor.position, state.cursor.return_to) == (3, 2, 0)
+    assert state.records_reached == 16
     card = campaign.write_card(drafter_dir, "tiny").read_text()
-    assert "on a detour over the fresh shards before going back to shard 1" in card
-    campaign.run_sitting(recipe=None, max_steps=4, **kwargs)  # shards 3 and 4, then shard 1
+    assert "on a detour over the fresh shards before going back to shard 0" in card
+    # a sitting that resumes mid-detour finishes shard 3, then shard 4, then goes back to the
+    # start of shard 0
+    campaign.run_sitting(recipe=None, max_steps=3, **kwargs)
     state = campaign.read_state(drafter_dir)
-    assert (state.cursor.shard, state.cursor.position, state.cursor.wraps) == (1, 2, 1)
+    assert (state.cursor.shard, state.cursor.position, state.cursor.wraps) == (0, 2, 1)
     assert (state.cursor.return_to, state.records_reached) == (-1, 18)
 
 

@@ -30,11 +30,11 @@ written, minus a fixed held-out slice (keys whose hash is 0 mod `VAL_MODULUS`), 
 (plus its top-k next-token log-probabilities, for the levers), in a per-machine cache under
 `~/.cache/flashbatch/campaign/`, trains `passes_per_shard` passes over it (fresh anchors each
 pass), moves on, and wraps to shard 0 once the corpus is used up. A corpus grown by new parts
-has more shards, and they come first: at the next shard boundary the cursor goes to the shard
+has more shards, and they come first: the next sitting's cursor goes at once to the shard
 holding the first record no sitting has trained (`State.records_reached`), trains on to the
-corpus's end, then goes back to the shard it left. Fresh records teach the drafter more than a
-fourth visit to old ones (it memorises what it has seen: a shard trained a sitting ago scores
-tau 0.16 above held-out records), so they should not wait most of a wrap.
+corpus's end, then goes back to the start of the shard it left. Fresh records teach the
+drafter more than a fourth visit to old ones (it memorises what it has seen: a shard trained
+a sitting ago scores tau 0.16 above held-out records), so they should not wait for a wrap.
 """
 
 from __future__ import annotations
@@ -166,17 +166,16 @@ class Cursor:
     wraps: int = 0
     return_to: int = -1  # on a detour over fresh shards: the shard to go back to (-1: none)
 
-    def at_shard_start(self) -> bool:
-        return self.pass_ == 0 and self.position == 0
-
     def visit_fresh(self, shard: int) -> None:
-        """Go to `shard`, which holds records no sitting has trained, and on from it to the
-        corpus's end; then back to the shard the cursor was about to start."""
-        if shard == self.shard:
+        """Go to the start of `shard`, which holds records no sitting has trained, and on from
+        it to the corpus's end; then back to the start of the shard the cursor was on (a shard
+        left half done is trained again: simpler than keeping its place, and cheap). Where
+        `shard` comes next anyway (the first trip round the corpus), the cursor stays."""
+        if shard <= self.shard + 1:
             return
         if self.return_to < 0:
             self.return_to = self.shard
-        self.shard = shard
+        self.shard, self.pass_, self.position = shard, 0, 0
 
     def advance(self, records: int, shard_size: int, num_shards: int, passes: int) -> bool:
         """Move past `records` records of a shard of `shard_size`; True when the shard changed
@@ -905,7 +904,7 @@ def run_sitting(
             cursor = state.cursor
             if cursor.shard >= len(shards):  # the corpus shrank (never, in practice)
                 cursor.shard, cursor.pass_, cursor.position, cursor.return_to = 0, 0, 0, -1
-            if cursor.at_shard_start() and state.records_reached < len(train_seqs):
+            if cursor.return_to < 0 and state.records_reached < len(train_seqs):
                 cursor.visit_fresh(shard_holding(shards, state.records_reached))
             shard = shards[cursor.shard]
             shard_seqs = [train_seqs[i] for i in shard]

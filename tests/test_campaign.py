@@ -65,6 +65,8 @@ def test_a_detour_over_fresh_shards_runs_to_the_corpus_end_then_goes_back():
     assert (cursor.return_to, cursor.wraps) == (-1, 2)
     cursor.visit_fresh(2)  # the fresh records are in the next shard: no detour
     assert (cursor.shard, cursor.return_to) == (1, -1)
+    cursor.visit_fresh(2, now=True)  # unless the shard it is on must not be finished first
+    assert (cursor.shard, cursor.return_to) == (2, 1)
 
 
 def test_shards_cover_the_corpus_once_and_absorb_a_small_tail():
@@ -216,6 +218,35 @@ def test_a_grown_corpus_trains_its_fresh_shards_first_then_goes_back(tiny, tmp_p
     state = campaign.read_state(drafter_dir)
     assert (state.cursor.shard, state.cursor.position, state.cursor.wraps) == (0, 2, 1)
     assert (state.cursor.return_to, state.records_reached) == (-1, 18)
+
+
+def test_fresh_only_trains_the_new_records_and_stops(tiny, tmp_path):
+    target, target_dir = tiny
+    old, held_out = _records(10, target.vocab_size), _records(2, target.vocab_size, seed=1)
+    drafter_dir = tmp_path / "drafter"
+    kwargs = _sitting_args(target_dir, drafter_dir, tmp_path, (old, held_out))
+    campaign.run_sitting(recipe=_tiny_recipe(), max_steps=4, **kwargs)
+    state = campaign.read_state(drafter_dir)
+    assert (state.cursor.shard, state.cursor.wraps, state.records_reached) == (2, 0, 8)
+    # shards 0-4, 4-8, 8-12, 12-16, 16-18: record 8 starts shard 2, the cursor's own
+    kwargs["corpus"] = (old + _records(8, target.vocab_size, seed=2), held_out)
+    record = campaign.run_sitting(recipe=None, max_steps=None, fresh_only=True, **kwargs)
+    state = campaign.read_state(drafter_dir)
+    assert record["steps"] == 5 and record["saved"].startswith("no fresh records left")
+    assert (state.cursor.shard, state.cursor.wraps, state.records_reached) == (0, 1, 18)
+    # half through an old shard, new records in the next one: it goes now, and comes back
+    campaign.run_sitting(recipe=None, max_steps=7, **kwargs)
+    cursor = campaign.read_state(drafter_dir).cursor
+    assert (cursor.shard, cursor.position) == (3, 2)
+    kwargs["corpus"] = (kwargs["corpus"][0] + _records(4, target.vocab_size, seed=3), held_out)
+    record = campaign.run_sitting(recipe=None, max_steps=None, fresh_only=True, **kwargs)
+    state = campaign.read_state(drafter_dir)
+    # shards 0-4, ..., 12-16, 16-20, 20-22: records 18-21 are new, in shards 4 and 5 (3 steps)
+    assert record["steps"] == 3 and (state.cursor.shard, state.cursor.position) == (3, 0)
+    assert state.records_reached == 22
+    assert (
+        campaign.run_sitting(recipe=None, max_steps=None, fresh_only=True, **kwargs)["steps"] == 0
+    )
 
 
 def test_a_campaign_from_before_the_fresh_first_rule_counts_what_it_reached():

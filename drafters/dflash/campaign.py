@@ -2,6 +2,7 @@
 the last one on any machine.
 
     python -m drafters.dflash.campaign run [--minutes N]      # one sitting (SIGTERM: save, stop)
+    python -m drafters.dflash.campaign run --fresh-only       # only never-trained records
     python -m drafters.dflash.campaign eval                   # held-out tau; keep or restore
     python -m drafters.dflash.campaign measure --steps 40 ... # a lever, from scratch, no repo write
     python -m drafters.dflash.campaign features [--shard N]   # a shard's features, ahead of time
@@ -166,12 +167,13 @@ class Cursor:
     wraps: int = 0
     return_to: int = -1  # on a detour over fresh shards: the shard to go back to (-1: none)
 
-    def visit_fresh(self, shard: int) -> None:
+    def visit_fresh(self, shard: int, now: bool = False) -> None:
         """Go to the start of `shard`, which holds records no sitting has trained, and on from
         it to the corpus's end; then back to the start of the shard the cursor was on (a shard
         left half done is trained again: simpler than keeping its place, and cheap). Where
-        `shard` comes next anyway (the first trip round the corpus), the cursor stays."""
-        if shard <= self.shard + 1:
+        `shard` comes next anyway (the first trip round the corpus), the cursor stays, unless
+        `now` (it must not finish the shard it is on first)."""
+        if shard == self.shard or (shard == self.shard + 1 and not now):
             return
         if self.return_to < 0:
             self.return_to = self.shard
@@ -795,12 +797,15 @@ def run_sitting(
     log_every: int = 10,
     corpus: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None = None,
     retune: dict[str, Any] | None = None,
+    fresh_only: bool = False,
 ) -> dict[str, Any]:
     """Resume (or start) the campaign in `drafter_dir` and train until `minutes` pass,
     `max_steps` steps are done, or SIGTERM; checkpoint every `checkpoint_minutes` and at the
     end. Returns the sitting's record (also in the sittings log). `corpus` (train, held-out
     records) replaces the repository's (tests). `retune`: recipe fields a resumed campaign
-    changes from this sitting on (only `RETUNABLE` ones; recorded in the sitting)."""
+    changes from this sitting on (only `RETUNABLE` ones; recorded in the sitting).
+    `fresh_only`: train only the shards holding records no sitting has trained, then stop (a
+    drafter that has seen a record a dozen times learns next to nothing from it again)."""
     started = time.time()
     stop = Stop()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -905,7 +910,10 @@ def run_sitting(
             if cursor.shard >= len(shards):  # the corpus shrank (never, in practice)
                 cursor.shard, cursor.pass_, cursor.position, cursor.return_to = 0, 0, 0, -1
             if cursor.return_to < 0 and state.records_reached < len(train_seqs):
-                cursor.visit_fresh(shard_holding(shards, state.records_reached))
+                cursor.visit_fresh(shard_holding(shards, state.records_reached), now=fresh_only)
+            elif fresh_only and cursor.return_to < 0:
+                stop.reason = "no fresh records left"
+                break
             shard = shards[cursor.shard]
             shard_seqs = [train_seqs[i] for i in shard]
             t0 = time.time()
@@ -1497,6 +1505,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=3, help="eval: held-out prompts per kind")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--force", action="store_true", help="eval: keep even if tau is lower")
+    parser.add_argument(
+        "--fresh-only",
+        action="store_true",
+        help="run: train only records no sitting has trained (the newest corpus parts), then stop",
+    )
     parser.add_argument("--out", type=Path, help="measure: append the result (JSON line) here")
     args = parser.parse_args(argv)
     handlers: list[logging.Handler] = [logging.StreamHandler()]
@@ -1520,6 +1533,7 @@ def main(argv: list[str] | None = None) -> int:
             command=command,
             val_records=args.val_records,
             heldout_anchors=args.heldout_anchors,
+            fresh_only=args.fresh_only,
         )
     elif args.action == "eval":
         run_eval(args.target, args.drafter_dir, args.prompts, args.max_tokens, command, args.force)

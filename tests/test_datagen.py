@@ -8,6 +8,7 @@ import random
 
 from drafters.dflash import datagen
 from drafters.dflash.prompt_mix import (
+    _THIRD_TOPICS,
     KINDS,
     Prompt,
     build_prompts,
@@ -52,15 +53,16 @@ def test_chat_prompts_split_by_text_hash():
     assert not train_texts & {p.text for p in held}
 
 
-def test_second_chat_tier_comes_after_the_first_so_earlier_lists_keep_their_prefix():
-    first = {p.text for p in chat_prompts()}
-    second = {p.text for p in more_chat_prompts()}
-    assert not first & second
+def test_later_chat_tiers_come_after_the_earlier_so_earlier_lists_keep_their_prefix():
+    tiers = [
+        {p.text for p in chat_prompts()},
+        {p.text for p in more_chat_prompts()},
+        {p.text for p in more_chat_prompts(_THIRD_TOPICS)},
+    ]
+    assert not tiers[0] & tiers[1] and not tiers[0] & tiers[2] and not tiers[1] & tiers[2]
     chat = [p for p in build_prompts("held_out", per_kind=10_000) if p.kind == "chat"]
-    in_first = sum(p.text in first for p in chat)
-    assert 0 < in_first < len(chat)
-    assert all(p.text in first for p in chat[:in_first])
-    assert all(p.text in second for p in chat[in_first:])
+    tier_of = [next(i for i, tier in enumerate(tiers) if p.text in tier) for p in chat]
+    assert tier_of == sorted(tier_of) and set(tier_of) == {0, 1, 2}
 
 
 def test_editing_prompts_carry_the_function_and_plant_real_bugs():

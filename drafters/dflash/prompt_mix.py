@@ -489,6 +489,117 @@ _MORE_TOPICS = (
 )
 
 
+# A third tier (added 2026-12-07, when the second was nearly generated): the same templates
+# over more topics, after both earlier tiers in the list.
+_THIRD_TOPICS = (
+    "the Maya civilization",
+    "the Ottoman Empire",
+    "the Magna Carta",
+    "the samurai",
+    "the Incas",
+    "the Phoenicians",
+    "the history of money",
+    "the history of medicine",
+    "the heart",
+    "the lungs",
+    "digestion",
+    "vitamins",
+    "hydration",
+    "posture",
+    "running",
+    "breathing exercises",
+    "procrastination",
+    "curiosity",
+    "creativity",
+    "critical thinking",
+    "decision making",
+    "giving feedback",
+    "active listening",
+    "making friends",
+    "saving for retirement",
+    "interest rates",
+    "renting versus buying a home",
+    "plastic pollution",
+    "ocean currents",
+    "tides",
+    "rainforests",
+    "the Arctic",
+    "the Amazon river",
+    "wetlands",
+    "pollination",
+    "migration of birds",
+    "dolphins",
+    "wolves",
+    "frogs",
+    "turtles",
+    "fossils",
+    "evolution",
+    "genetics",
+    "cells",
+    "friction",
+    "sound waves",
+    "light",
+    "chemical reactions",
+    "acids and bases",
+    "the Sun",
+    "the Milky Way",
+    "satellites",
+    "GPS",
+    "Wi-Fi",
+    "version control",
+    "SQL",
+    "caching",
+    "trees in computer science",
+    "memory management",
+    "concurrency",
+    "the command line",
+    "Linux",
+    "data visualization",
+    "puzzles",
+    "video games",
+    "film making",
+    "jazz",
+    "the piano",
+    "drums",
+    "dance",
+    "theater",
+    "sculpture",
+    "calligraphy",
+    "baking bread",
+    "making pizza",
+    "cheese",
+    "rice",
+    "soup",
+    "street food",
+    "farmers markets",
+    "recycling at home",
+    "minimalism",
+    "moving to a new city",
+    "travel on a budget",
+    "train journeys",
+    "road trips",
+    "lighthouses",
+    "castles",
+    "old maps",
+    "clocks",
+    "the history of writing",
+    "alphabets",
+    "libraries of the ancient world",
+    "newspapers",
+    "radio",
+    "podcasts",
+    "blogging",
+    "kindness",
+    "gratitude",
+    "patience",
+    "honesty",
+    "family traditions",
+    "festivals",
+    "lanterns",
+    "fireworks",
+)
+
+
 def chat_prompts() -> list[Prompt]:
     """The first tier: general instructions (templates x topics), then code questions."""
     prompts = [
@@ -500,12 +611,10 @@ def chat_prompts() -> list[Prompt]:
     return prompts
 
 
-def more_chat_prompts() -> list[Prompt]:
-    """The second tier: the same templates over `_MORE_TOPICS`."""
+def more_chat_prompts(topics: tuple[str, ...] = _MORE_TOPICS) -> list[Prompt]:
+    """A later tier: the same templates over `topics` (the second tier's by default)."""
     return [
-        Prompt("chat", t.format(t=topic), chat=True)
-        for t in _CHAT_TEMPLATES
-        for topic in _MORE_TOPICS
+        Prompt("chat", t.format(t=topic), chat=True) for t in _CHAT_TEMPLATES for topic in topics
     ]
 
 
@@ -530,6 +639,9 @@ def build_prompts(split: str, per_kind: int, seed: int = 0) -> list[Prompt]:
     second = [p for p in more_chat_prompts() if held_out(p.text) == want_held_out]
     random.Random(f"{seed}-chat-2").shuffle(second)
     by_kind["chat"] += second  # after the first tier: earlier lists keep their prefixes
+    third = [p for p in more_chat_prompts(_THIRD_TOPICS) if held_out(p.text) == want_held_out]
+    random.Random(f"{seed}-chat-3").shuffle(third)
+    by_kind["chat"] += third
     for kind in KINDS:
         by_kind[kind] = _dedupe(by_kind[kind])[:per_kind]
     mixed = []

@@ -192,20 +192,27 @@ def test_sitting_checkpoints_into_the_directory_and_the_next_one_resumes(tiny, t
     assert campaign.read_state(drafter_dir).step == 8
 
 
-def test_a_grown_corpus_trains_its_fresh_shards_first_then_goes_back(tiny, tmp_path):
+def _ten_record_campaign(tiny, tmp_path, steps: int):
+    """A tiny campaign on 10 train records (shards of 4, 4 and 2, one pass, 2 records a step)
+    after `steps` steps: (its old records, held-out records, drafter dir, sitting keywords)."""
     target, target_dir = tiny
     old, held_out = _records(10, target.vocab_size), _records(2, target.vocab_size, seed=1)
     drafter_dir = tmp_path / "drafter"
     kwargs = _sitting_args(target_dir, drafter_dir, tmp_path, (old, held_out))
-    campaign.run_sitting(recipe=_tiny_recipe(), max_steps=6, **kwargs)
+    campaign.run_sitting(recipe=_tiny_recipe(), max_steps=steps, **kwargs)
+    return old, held_out, drafter_dir, kwargs
+
+
+def test_a_grown_corpus_trains_its_fresh_shards_first_then_goes_back(tiny, tmp_path):
+    old, held_out, drafter_dir, kwargs = _ten_record_campaign(tiny, tmp_path, steps=6)
+    vocab = tiny[0].vocab_size
     state = campaign.read_state(drafter_dir)
-    # shards of 4, 4 and 2 records, one pass, 2 a step: wrapped once, half through shard 0
+    # wrapped once, half through shard 0
     assert (state.cursor.shard, state.cursor.position, state.cursor.wraps) == (0, 2, 1)
     assert state.records_reached == 10
 
     # 8 new records: shards 0-4, 4-8, 8-12, 12-16, 16-18; record 10, the first new, is in shard 2
-    grown = old + _records(8, target.vocab_size, seed=2)
-    kwargs["corpus"] = (grown, held_out)
+    kwargs["corpus"] = (old + _records(8, vocab, seed=2), held_out)
     campaign.run_sitting(recipe=None, max_steps=3, **kwargs)  # shard 2, half of shard 3
     state = campaign.read_state(drafter_dir)
     assert (state.cursor.shard, state.cursor.position, state.cursor.return_to) == (3, 2, 0)
@@ -221,15 +228,12 @@ def test_a_grown_corpus_trains_its_fresh_shards_first_then_goes_back(tiny, tmp_p
 
 
 def test_fresh_only_trains_the_new_records_and_stops(tiny, tmp_path):
-    target, target_dir = tiny
-    old, held_out = _records(10, target.vocab_size), _records(2, target.vocab_size, seed=1)
-    drafter_dir = tmp_path / "drafter"
-    kwargs = _sitting_args(target_dir, drafter_dir, tmp_path, (old, held_out))
-    campaign.run_sitting(recipe=_tiny_recipe(), max_steps=4, **kwargs)
+    old, held_out, drafter_dir, kwargs = _ten_record_campaign(tiny, tmp_path, steps=4)
+    vocab = tiny[0].vocab_size
     state = campaign.read_state(drafter_dir)
     assert (state.cursor.shard, state.cursor.wraps, state.records_reached) == (2, 0, 8)
     # shards 0-4, 4-8, 8-12, 12-16, 16-18: record 8 starts shard 2, the cursor's own
-    kwargs["corpus"] = (old + _records(8, target.vocab_size, seed=2), held_out)
+    kwargs["corpus"] = (old + _records(8, vocab, seed=2), held_out)
     record = campaign.run_sitting(recipe=None, max_steps=None, fresh_only=True, **kwargs)
     state = campaign.read_state(drafter_dir)
     assert record["steps"] == 5 and record["saved"].startswith("no fresh records left")
@@ -238,7 +242,7 @@ def test_fresh_only_trains_the_new_records_and_stops(tiny, tmp_path):
     campaign.run_sitting(recipe=None, max_steps=7, **kwargs)
     cursor = campaign.read_state(drafter_dir).cursor
     assert (cursor.shard, cursor.position) == (3, 2)
-    kwargs["corpus"] = (kwargs["corpus"][0] + _records(4, target.vocab_size, seed=3), held_out)
+    kwargs["corpus"] = (kwargs["corpus"][0] + _records(4, vocab, seed=3), held_out)
     record = campaign.run_sitting(recipe=None, max_steps=None, fresh_only=True, **kwargs)
     state = campaign.read_state(drafter_dir)
     # shards 0-4, ..., 12-16, 16-20, 20-22: records 18-21 are new, in shards 4 and 5 (3 steps)

@@ -910,11 +910,13 @@ def run_sitting(
             cursor = state.cursor
             if cursor.shard >= len(shards):  # the corpus shrank (never, in practice)
                 cursor.shard, cursor.pass_, cursor.position, cursor.return_to = 0, 0, 0, -1
-            if cursor.return_to < 0 and state.records_reached < len(train_seqs):
-                cursor.visit_fresh(shard_holding(shards, state.records_reached), now=fresh_only)
-            elif fresh_only and cursor.return_to < 0:
-                stop.reason = "no fresh records left"
-                break
+            if cursor.return_to < 0:  # not on a detour already: are there fresh records?
+                if state.records_reached < len(train_seqs):
+                    fresh = shard_holding(shards, state.records_reached)
+                    cursor.visit_fresh(fresh, now=fresh_only)
+                elif fresh_only:
+                    stop.reason = "no fresh records left"
+                    break
             shard = shards[cursor.shard]
             shard_seqs = [train_seqs[i] for i in shard]
             t0 = time.time()

@@ -636,12 +636,11 @@ def build_prompts(split: str, per_kind: int, seed: int = 0) -> list[Prompt]:
     by_kind["chat"] = [p for p in chat_prompts() if held_out(p.text) == want_held_out]
     for kind in KINDS:
         random.Random(f"{seed}-{kind}").shuffle(by_kind[kind])
-    second = [p for p in more_chat_prompts() if held_out(p.text) == want_held_out]
-    random.Random(f"{seed}-chat-2").shuffle(second)
-    by_kind["chat"] += second  # after the first tier: earlier lists keep their prefixes
-    third = [p for p in more_chat_prompts(_THIRD_TOPICS) if held_out(p.text) == want_held_out]
-    random.Random(f"{seed}-chat-3").shuffle(third)
-    by_kind["chat"] += third
+    # later tiers after the first, in order: earlier lists keep their prefixes
+    for tier, topics in ((2, _MORE_TOPICS), (3, _THIRD_TOPICS)):
+        later = [p for p in more_chat_prompts(topics) if held_out(p.text) == want_held_out]
+        random.Random(f"{seed}-chat-{tier}").shuffle(later)
+        by_kind["chat"] += later
     for kind in KINDS:
         by_kind[kind] = _dedupe(by_kind[kind])[:per_kind]
     mixed = []

@@ -1,4 +1,5 @@
-"""Adopt a paired arm (see `bench/campaign_arm.sh`) as the campaign's checkpoint.
+"""Adopt a paired arm (`bench/campaign_arms.py`; older ones: `bench/campaign_arm.sh`) as the
+campaign's checkpoint.
 
 The arm must have started from the live checkpoint as it stands: its sittings log begins with
 the live one. Weights, config and training state come from the arm; the live sittings log gains

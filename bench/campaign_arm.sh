@@ -1,3 +1,5 @@
+# Superseded by bench/campaign_arms.py (paired arms in one command, the measures in one table);
+# kept because the results scripts of earlier sittings source it.
 # Sourced by the campaign's paired-arm scripts (bench/results/*/campaign-arms*/run_arms.sh).
 # `arm NAME STEPS EDIT [GROW]`: a copy of the drafter checkpoint at commit (or directory) $FROM under
 # /tmp/$ARMS/NAME, its state/config edited by the python snippet EDIT (it sees `st`, `recipe`,

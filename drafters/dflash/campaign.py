@@ -717,13 +717,15 @@ def heldout_of(
     heldout_anchors: int = 16,
     cache_root: Path = CACHE_ROOT,
     train_shard: int | None = None,
+    corpus: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """The held-out measure (`Trainer.heldout`) of the checkpoint in `drafter_dir`, no training;
     with `train_shard`, the same measure on that training shard's first records instead (the
-    gap between the two says whether the drafter is short of data or of capacity)."""
+    gap between the two says whether the drafter is short of data or of capacity). `corpus`
+    (train, held-out records) replaces the repository's (tests)."""
     trainer = trainer_for(target_name, drafter_dir, cache_root)
     state = trainer.state
-    train, val = corpus_split(target_name)
+    train, val = corpus or corpus_split(target_name)
     if train_shard is not None:
         # records and sequences are one to one: the shard is cut from the record count
         val = [train[i] for i in shard_slices(len(train), state.recipe.shard_records)[train_shard]]
@@ -1449,9 +1451,8 @@ def _recipe_args(args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command = "python -m drafters.dflash.campaign " + " ".join(shlex.quote(a) for a in argv)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (also read by `bench/campaign_arms.py` for each arm's arguments)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1514,6 +1515,13 @@ def main(argv: list[str] | None = None) -> int:
         help="run: train only records no sitting has trained (the newest corpus parts), then stop",
     )
     parser.add_argument("--out", type=Path, help="measure: append the result (JSON line) here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = "python -m drafters.dflash.campaign " + " ".join(shlex.quote(a) for a in argv)
+    parser = build_parser()
     args = parser.parse_args(argv)
     handlers: list[logging.Handler] = [logging.StreamHandler()]
     if args.log_file:

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 
 from drafters.dflash import campaign
 from drafters.dflash.campaign import Cursor, Recipe
+from drafters.dflash.card import tau_projection, write_card
 from drafters.dflash.features import FeatureStore
 from drafters.dflash.levers import (
     greedy_chain_labels,
@@ -217,7 +218,7 @@ def test_a_grown_corpus_trains_its_fresh_shards_first_then_goes_back(tiny, tmp_p
     state = campaign.read_state(drafter_dir)
     assert (state.cursor.shard, state.cursor.position, state.cursor.return_to) == (3, 2, 0)
     assert state.records_reached == 16
-    card = campaign.write_card(drafter_dir, "tiny").read_text()
+    card = write_card(drafter_dir, "tiny").read_text()
     assert "on a detour over the fresh shards before going back to shard 0" in card
     # a sitting that resumes mid-detour finishes shard 3, then shard 4, then goes back to the
     # start of shard 0
@@ -451,7 +452,7 @@ def test_a_prompt_anchor_sitting_trains_on_prompt_positions(tiny, tmp_path, monk
     assert result["steps"] == 2 and result["labels"] > 0
     assert set(firsts) == {3}  # after the shared prefix, not after each prompt (8)
     assert campaign.read_state(drafter_dir).recipe.prompt_anchors
-    assert "prompt anchors" in campaign.write_card(drafter_dir, "tiny").read_text()
+    assert "prompt anchors" in write_card(drafter_dir, "tiny").read_text()
 
 
 def test_short_training_blocks_train_and_the_measure_keeps_the_models_block(
@@ -472,7 +473,7 @@ def test_short_training_blocks_train_and_the_measure_keeps_the_models_block(
     assert result["steps"] == 2 and result["labels"] > 0
     assert 2 in widths and 4 in widths  # training blocks of 2; held-out measure at the model's 4
     assert len(result["heldout_end"]["acc_by_position"]) == 3
-    assert "training blocks of 2 rows" in campaign.write_card(tmp_path / "d", "tiny").read_text()
+    assert "training blocks of 2 rows" in write_card(tmp_path / "d", "tiny").read_text()
     with pytest.raises(ValueError, match="train_block"):
         campaign.run_sitting(
             recipe=_tiny_recipe(train_block=5),
@@ -689,7 +690,7 @@ def test_card_lists_every_sitting_and_eval(tiny, tmp_path, monkeypatch):
         )
     monkeypatch.setattr(campaign, "tau_eval", lambda *a: {"tau_mean": 1.5, "tau": {"chat": 1.5}})
     campaign.run_eval("t", drafter_dir, 1, 8, "eval", repo_root=tmp_path / "no-repo")
-    card = campaign.write_card(drafter_dir, "tiny").read_text()
+    card = write_card(drafter_dir, "tiny").read_text()
     assert "`first sitting`" in card and "`second sitting`" in card
     assert "| 2 | 1.500 | chat 1.50 | kept |" in card
     assert "candidate-set loss" in card and "warm start" not in card
@@ -708,12 +709,12 @@ def test_tau_projection_fits_tau_against_log_labels():
         {"stage": "eval", "step": 200, "tau": {"editing": 2.0, "completion": 2.0, "chat": 1.0}},
     ]  # fmt: skip
     state = campaign.State(step=200, labels_seen=2000)
-    text = "\n".join(campaign.tau_projection(sittings, state))
+    text = "\n".join(tau_projection(sittings, state))
     assert "| 1,000 | 1.500 | 1.500 | 1.500 |" in text and "| 2,000 |" in text
     # completion: 2.0 at 2000 labels, +0.5 a doubling: 3.0 at 8000, i.e. 6 sittings more
     assert "| completion | 3.0 | +0.500 | 8e+03 | 6 |" in text
     assert "| chat | 2.5 | -0.500 | not rising | - |" in text
-    one_eval = campaign.tau_projection(sittings[:2], campaign.State(step=100, labels_seen=1000))
+    one_eval = tau_projection(sittings[:2], campaign.State(step=100, labels_seen=1000))
     assert "Two evals" in one_eval[-1]
 
 
@@ -812,7 +813,7 @@ def test_grow_keeps_the_predictions_and_the_next_sitting_trains_the_new_layer(ti
     campaign.run_sitting(recipe=None, **kwargs)
     assert campaign.read_state(drafter_dir).step == 4
     assert _weights(drafter_dir)["layers.2.self_attn.o_proj.weight"].any()
-    card = campaign.write_card(drafter_dir, "tiny").read_text()
+    card = write_card(drafter_dir, "tiny").read_text()
     assert "`grow --layers 3`: 2 -> 3 layers" in card and "grown to 3 layers" in card
 
 
@@ -855,7 +856,7 @@ def test_grow_by_a_tap_keeps_the_predictions_and_the_next_sitting_reads_the_new_
     campaign.run_sitting(recipe=None, **kwargs)
     assert campaign.read_state(drafter_dir).step == 4
     assert _weights(drafter_dir)["fc.weight"][:, width : 2 * width].any()
-    card = campaign.write_card(drafter_dir, "tiny").read_text()
+    card = write_card(drafter_dir, "tiny").read_text()
     assert "taps [1, 3] -> [1, 2, 3]" in card
 
 
@@ -893,7 +894,7 @@ def test_the_eval_set_measures_each_kind_logs_it_and_shows_on_the_card(tiny, tmp
 
     evalset.log_measure(drafter_dir, result, "evalset measure --log")
     assert campaign.read_sittings(drafter_dir)[-1]["stage"] == "evalset"
-    card = campaign.write_card(drafter_dir, "tiny").read_text()
+    card = write_card(drafter_dir, "tiny").read_text()
     section = card.split("## Held-out tau on the eval set")[1]
     assert f"| {result['step']} | {result['tau_loop_mean']:.3f} |" in section
     assert card.count("evalset measure --log") == 1  # in its own table, not a sittings row
@@ -902,5 +903,5 @@ def test_the_eval_set_measures_each_kind_logs_it_and_shows_on_the_card(tiny, tmp
     later = {**result, "labels_seen": 4 * result["labels_seen"], "step": result["step"] + 1}
     later["tau_loop"] = {k: v + 0.2 for k, v in result["tau_loop"].items()}
     evalset.log_measure(drafter_dir, later, "evalset measure --log")
-    projected = campaign.write_card(drafter_dir, "tiny").read_text().split("On the eval set")[1]
+    projected = write_card(drafter_dir, "tiny").read_text().split("On the eval set")[1]
     assert "| chat | 2.5 | +0.100 |" in projected  # +0.2 over two doublings of labels

@@ -6,8 +6,9 @@
 A campaign lever (fewer passes over a shard, another learning rate, one more layer) is judged
 by training copies of one checkpoint on the same records and measuring each the same way. Each
 arm is a copy of the checkpoint (`--from`, the live drafter directory by default) in
-`WORK/NAME`, its data cursor sent to the start of `--shard` (by default the first shard whose
-records no sitting has trained), trained by the campaign's own `run_sitting` with the arm's
+`WORK/NAME`, its data cursor sent to the start of `--shard` (by default the shard holding the
+first record no sitting has trained: the one `campaign run --fresh-only` trains next, so an
+adopted arm is the campaign's own next step), trained by `campaign.run_sitting` with the arm's
 arguments, then measured on the eval set (`drafters/dflash/evalset.py`, the aims' prompts) and
 by the loop replayed over held-out corpus records (`campaign heldout --heldout-anchors 0`).
 
@@ -77,23 +78,25 @@ class Arm:
 
 
 def first_fresh_shard(state: campaign.State, shards: list[range]) -> int:
-    """The first shard whose records no sitting has started training on."""
+    """The shard holding the first record no sitting has started training on: the one the
+    campaign itself trains next (`run --fresh-only`), so an adopted arm is its next step and
+    leaves no new record behind (the shard may open with a few trained ones)."""
     reached = state.records_reached or 0
-    for index, shard in enumerate(shards):
-        if shard.start >= reached:
-            return index
-    raise SystemExit(
-        f"no shard is wholly fresh ({reached} of {shards[-1].stop} train records reached): "
-        "generate data first (python -m drafters.dflash.build --stages data,keep)"
-    )
+    if reached >= shards[-1].stop:
+        raise SystemExit(
+            f"no fresh records (all {reached} train records reached): generate data first "
+            "(python -m drafters.dflash.build --stages data, then --stages keep)"
+        )
+    return campaign.shard_holding(shards, reached)
 
 
 def send_to_shard(state: campaign.State, shard: int, shards: list[range]) -> None:
-    """Point the cursor at the start of `shard`: a detour if its records are fresh (the arm
-    trains it as `campaign run` would train new data), else a plain visit with no fresh
-    records left to draw the cursor elsewhere (a repeated shard)."""
+    """Point the cursor at the start of `shard`: a detour if it holds fresh records (the arm
+    trains it as `campaign run` trains new data; fresh records before it count as reached),
+    else a plain visit with no fresh records left to draw the cursor elsewhere (a repeated
+    shard)."""
     cursor = state.cursor
-    if shards[shard].start >= (state.records_reached or 0):
+    if shards[shard].stop > (state.records_reached or 0):
         if cursor.return_to < 0:
             cursor.return_to = cursor.shard
         state.records_reached = shards[shard].start
@@ -150,6 +153,7 @@ def run_arms(
     state = campaign.read_state(start)
     recipe = state.recipe
     shards = campaign.shard_slices(len(corpus[0]), recipe.shard_records)
+    reached = state.records_reached or 0
     shard = first_fresh_shard(state, shards) if shard is None else shard
     if not 0 <= shard < len(shards):
         raise SystemExit(f"shard {shard} does not exist: the corpus has {len(shards)}")
@@ -159,7 +163,7 @@ def run_arms(
         "labels_seen": state.labels_seen,
         "shard": shard,
         "shard_records": len(shards[shard]),
-        "fresh": shards[shard].start >= (state.records_reached or 0),
+        "fresh_records": max(0, shards[shard].stop - max(shards[shard].start, reached)),
         "arms": {},
     }
     log.info("arms %s from step %d on shard %d", names, state.step, shard)
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from", dest="start", type=Path, default=campaign.DEFAULT_DRAFTER_DIR)
     parser.add_argument("--work", type=Path, required=True, help="where the arms' copies go")
     parser.add_argument("--out", type=Path, required=True, help="arms.json and arms.md go here")
-    parser.add_argument("--shard", type=int, help="default: the first wholly fresh shard")
+    parser.add_argument("--shard", type=int, help="default: the one holding the first fresh record")
     parser.add_argument("--val-records", type=int, default=68, help="held-out records measured")
     parser.add_argument("--evalset", type=Path, help="default: evalsets/<target>.jsonl.gz")
     parser.add_argument(

@@ -1,5 +1,6 @@
-"""`bench/campaign_arms.py`: paired arms trained from one checkpoint over the same shard (the
-first wholly fresh one by default), measured alike, the checkpoint itself never written."""
+"""`bench/campaign_arms.py`: paired arms trained from one checkpoint over the same shard (by
+default the one the campaign trains next: it holds the first fresh record), measured alike, the
+checkpoint itself never written."""
 
 from __future__ import annotations
 
@@ -70,9 +71,9 @@ def test_the_command_line_refuses_an_arm_by_name_before_training(tmp_path, capsy
 def test_the_cursor_goes_to_a_fresh_shard_on_a_detour_and_to_an_old_one_plainly():
     shards = campaign.shard_slices(18, 4)  # 0-4, 4-8, 8-12, 12-16, 16-18
     fresh = campaign.State(cursor=Cursor(shard=1, position=2, wraps=1), records_reached=10)
-    send_to_shard(fresh, 3, shards)
-    assert (fresh.cursor.shard, fresh.cursor.position, fresh.cursor.return_to) == (3, 0, 1)
-    assert fresh.records_reached == 12  # records 12 on stay fresh: the detour runs on to them
+    send_to_shard(fresh, 2, shards)  # holds records 10 and 11, the first fresh ones
+    assert (fresh.cursor.shard, fresh.cursor.position, fresh.cursor.return_to) == (2, 0, 1)
+    assert fresh.records_reached == 8  # the detour runs on from shard 2 to the corpus's end
     old = campaign.State(cursor=Cursor(shard=1, return_to=4), records_reached=10)
     send_to_shard(old, 0, shards)
     assert (old.cursor.shard, old.cursor.return_to, old.records_reached) == (0, -1, 18)
@@ -90,8 +91,8 @@ def test_arms_train_the_first_fresh_shard_from_one_checkpoint_and_can_be_adopted
     campaign.run_sitting(drafter_dir=start, recipe=_tiny_recipe(), max_steps=6,
                          corpus=(old, held_out), **common)  # fmt: skip
     before = _digest(start)
-    # 8 new records: shards 0-4, 4-8, 8-12, 12-16, 16-18; shard 2 mixes old and new, so the
-    # first wholly fresh shard is 3
+    # 8 new records: shards 0-4, 4-8, 8-12, 12-16, 16-18; record 10, the first new one, is in
+    # shard 2 (with old records 8 and 9): the shard `run --fresh-only` would train next
     corpus = (old + _records(8, seed=2), held_out)
     eval_records = _records(2, seed=3, kind="chat") + _records(2, seed=4, kind="editing")
     arms = [Arm.parse("A="), Arm.parse("B=--passes-per-shard 2 --lr 5e-4"),
@@ -100,7 +101,7 @@ def test_arms_train_the_first_fresh_shard_from_one_checkpoint_and_can_be_adopted
                       eval_records=eval_records, cache_root=cache, corpus=corpus)  # fmt: skip
 
     assert _digest(start) == before, "the starting checkpoint is never written"
-    assert (result["shard"], result["shard_records"], result["fresh"]) == (3, 4, True)
+    assert (result["shard"], result["shard_records"], result["fresh_records"]) == (2, 4, 2)
     first = result["step"]
     for name, steps in (("A", 2), ("B", 4), ("G", 1)):
         arm = result["arms"][name]
@@ -108,9 +109,11 @@ def test_arms_train_the_first_fresh_shard_from_one_checkpoint_and_can_be_adopted
         assert arm["sitting"]["steps"] == steps and state.step == first + steps
         assert set(arm["evalset"]["tau_loop"]) == {"chat", "editing"}
         assert arm["heldout"]["tau_loop"] is not None  # every anchor: the loop replayed
-    # one trip over shard 3 (one pass or two) leaves the cursor at the start of shard 4
-    assert result["arms"]["A"]["sitting"]["cursor"]["shard"] == 4
-    assert result["arms"]["B"]["sitting"]["cursor"]["shard"] == 4
+    # one trip over shard 2 (one pass or two) leaves the cursor at the start of shard 3, still
+    # on the detour over the new records
+    for name in ("A", "B"):
+        cursor = result["arms"][name]["sitting"]["cursor"]
+        assert (cursor["shard"], cursor["position"], cursor["return_to"]) == (3, 0, 0)
     assert result["arms"]["B"]["retuned"] == {"passes_per_shard": [1, 2], "lr": [1e-3, 5e-4]}
     grown = campaign.read_sittings(Path(result["arms"]["G"]["directory"]))
     assert [s["stage"] for s in grown[-2:]] == ["grow", "sitting"]

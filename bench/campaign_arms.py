@@ -124,10 +124,41 @@ def measure(
     """The eval set (loop replayed per kind) and the loop replay on held-out corpus records."""
     eval_set = evalset.measure(target, drafter_dir, eval_records, cache_root)
     heldout = campaign.heldout_of(target, drafter_dir, val_records, 0, cache_root, corpus=corpus)
+    keep = ("tau_loop_mean", "tau_loop_mean_90", "tau_loop", "step")
     return {
-        "evalset": {k: eval_set[k] for k in ("tau_loop_mean", "tau_loop", "step")},
-        "heldout": {k: heldout[k] for k in ("loss", "acc", "tau", "tau_loop", "acc_by_position")},
+        "evalset": {
+            **{k: eval_set[k] for k in keep},
+            "by_kind": {
+                k: {"loop_records": v["loop_records"]} for k, v in eval_set["by_kind"].items()
+            },
+        },
+        "heldout": {
+            k: heldout[k]
+            for k in ("loss", "acc", "tau", "tau_loop", "acc_by_position", "loop_records")
+        },
     }
+
+
+def against(after: dict[str, Any], before: dict[str, Any]) -> dict[str, list[float]]:
+    """After's gain over before on the same records, with its paired 90% bootstrap interval
+    (`evalset.loop_interval`): the eval set's `tau_loop_mean` and the held-out records' loop
+    tau, each as [difference, low, high]."""
+    gains = {}
+    for name, a, b in (
+        ("evalset", after["evalset"]["by_kind"], before["evalset"]["by_kind"]),
+        ("loop_tau", {"all": after["heldout"]}, {"all": before["heldout"]}),
+    ):
+        gains[name] = [round(_loop_mean(a) - _loop_mean(b), 4), *evalset.loop_interval(a, b)]
+    return gains
+
+
+def _loop_mean(by_kind: dict[str, dict[str, Any]]) -> float:
+    """Tokens a step of the replayed loop, per kind over its records, then the kinds' mean."""
+    taus = [
+        sum(r[1] for r in m["loop_records"]) / sum(r[2] for r in m["loop_records"])
+        for m in by_kind.values()
+    ]
+    return sum(taus) / len(taus)
 
 
 def run_arms(
@@ -205,13 +236,18 @@ def run_arms(
             **({"retuned": sitting["retuned"]} if "retuned" in sitting else {}),
             **measure(target, directory, eval_records, val_records, cache_root, corpus),
         }
+        if baseline:
+            result["arms"][arm.name]["vs_start"] = against(
+                result["arms"][arm.name], result["baseline"]
+            )
     return result
 
 
 def table(result: dict[str, Any]) -> str:
     """The arms side by side, the baseline first: a Markdown table."""
     kinds = sorted({k for row in _rows(result) for k in row[3]["evalset"]["tau_loop"]})
-    head = ["arm", "args", "steps", "train s", "eval set", *kinds, "held-out loss", "loop tau"]
+    head = ["arm", "args", "steps", "train s", "eval set", "vs start [90%]", *kinds,
+            "held-out loss", "loop tau", "vs start [90%]"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for name, args, sitting, measures in _rows(result):
         ev, ho = measures["evalset"], measures["heldout"]
@@ -221,12 +257,21 @@ def table(result: dict[str, Any]) -> str:
             str(sitting.get("steps", 0)),
             str(sitting.get("train_seconds", 0)),
             f"{ev['tau_loop_mean']:.3f}",
+            _gain(measures, "evalset"),
             *(f"{ev['tau_loop'][k]:.3f}" for k in kinds),
             f"{ho['loss']:.3f}",
             f"{ho['tau_loop']:.3f}" if ho["tau_loop"] is not None else "",
+            _gain(measures, "loop_tau"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _gain(measures: dict[str, Any], name: str) -> str:
+    if "vs_start" not in measures:
+        return ""
+    point, low, high = measures["vs_start"][name]
+    return f"{point:+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
 def _rows(result: dict[str, Any]) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:

@@ -892,11 +892,18 @@ def test_the_eval_set_measures_each_kind_logs_it_and_shows_on_the_card(tiny, tmp
         np.mean(list(result["tau_loop"].values())), abs=1e-4
     )
 
+    low, high = result["tau_loop_mean_90"]
+    assert low <= result["tau_loop_mean"] <= high
+    assert [r[0] for r in result["by_kind"]["chat"]["loop_records"]] == [0, 1, 2]
+
     evalset.log_measure(drafter_dir, result, "evalset measure --log")
-    assert campaign.read_sittings(drafter_dir)[-1]["stage"] == "evalset"
+    logged = campaign.read_sittings(drafter_dir)[-1]
+    assert logged["stage"] == "evalset" and logged["tau_loop_mean_90"] == [low, high]
+    assert "loop_records" not in logged["by_kind"]["chat"]  # intervals only: kept out of the log
     card = write_card(drafter_dir, "tiny").read_text()
     section = card.split("## Held-out tau on the eval set")[1]
     assert f"| {result['step']} | {result['tau_loop_mean']:.3f} |" in section
+    assert f"| {low:.3f}-{high:.3f} |" in section
     assert card.count("evalset measure --log") == 1  # in its own table, not a sittings row
     projected = card.split("On the eval set")[1]
     assert "Two evals at different label counts" in projected
@@ -905,3 +912,31 @@ def test_the_eval_set_measures_each_kind_logs_it_and_shows_on_the_card(tiny, tmp
     evalset.log_measure(drafter_dir, later, "evalset measure --log")
     projected = write_card(drafter_dir, "tiny").read_text().split("On the eval set")[1]
     assert "| chat | 2.5 | +0.100 |" in projected  # +0.2 over two doublings of labels
+
+
+def _loops(tokens_steps: dict[str, list[tuple[int, int]]]) -> dict[str, dict]:
+    return {k: {"loop_records": [[i, t, s] for i, (t, s) in enumerate(v)]}
+            for k, v in tokens_steps.items()}  # fmt: skip
+
+
+def test_eval_set_intervals_draw_records_and_pair_two_checkpoints_on_the_same_ones():
+    from drafters.dflash.evalset import loop_interval
+
+    rng = np.random.default_rng(0)
+    kinds = ("chat", "editing")
+    tokens = {k: rng.integers(100, 250, size=24) for k in kinds}
+    steps = {k: np.round(tokens[k] / rng.uniform(1.3, 1.9, size=24)) for k in kinds}
+    before = _loops({k: list(zip(tokens[k], steps[k])) for k in kinds})
+    # every record of the later checkpoint takes 2% fewer steps for its tokens
+    after = _loops({k: list(zip(tokens[k], np.round(0.98 * steps[k]))) for k in kinds})
+    point = np.mean([tokens[k].sum() / steps[k].sum() for k in kinds])
+    low, high = loop_interval(before)
+    assert low < point < high
+    assert loop_interval(before, before) == [0.0, 0.0]
+    gain_low, gain_high = loop_interval(after, before)
+    assert 0.0 < gain_low < gain_high < 0.1  # paired: a small, even gain is told from noise
+    # unpaired, the same gain sits inside either measure's own spread over records
+    assert loop_interval(after)[0] < high
+    shuffled = {k: {"loop_records": v["loop_records"][::-1]} for k, v in after.items()}
+    with pytest.raises(ValueError, match="not over the same records"):
+        loop_interval(shuffled, before)

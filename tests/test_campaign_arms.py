@@ -109,6 +109,9 @@ def test_arms_train_the_first_fresh_shard_from_one_checkpoint_and_can_be_adopted
         assert arm["sitting"]["steps"] == steps and state.step == first + steps
         assert set(arm["evalset"]["tau_loop"]) == {"chat", "editing"}
         assert arm["heldout"]["tau_loop"] is not None  # every anchor: the loop replayed
+        for measure in ("evalset", "loop_tau"):  # paired with the start, on the same records
+            gain, low, high = arm["vs_start"][measure]
+            assert low <= high and -3.0 < gain < 3.0
     # one trip over shard 2 (one pass or two) leaves the cursor at the start of shard 3, still
     # on the detour over the new records
     for name in ("A", "B"):
@@ -120,9 +123,13 @@ def test_arms_train_the_first_fresh_shard_from_one_checkpoint_and_can_be_adopted
     assert campaign.read_state(Path(result["arms"]["G"]["directory"])).recipe.layers == 3
     assert result["baseline"]["evalset"]["step"] == first
 
+    json.dumps(result)  # arms.json: plain numbers throughout
     rows = table(result).splitlines()
     assert rows[2].startswith(f"| start (step {first}) |") and len(rows) == 6
     assert rows[4].startswith("| B | `--passes-per-shard 2 --lr 5e-4` | 4 |")
+    gain, low, high = result["arms"]["B"]["vs_start"]["evalset"]
+    assert f"| {gain:+.3f} [{low:+.3f}, {high:+.3f}] |" in rows[4]
+    assert rows[2].count("|  |") >= 2  # the start has no gain over itself
 
     adopted = adopt(Path(result["arms"]["B"]["directory"]), start, "two passes")
     assert adopted["step"] == first + 4

@@ -581,6 +581,7 @@ class Trainer:
         loss_sum = acc_sum = weight_sum = 0.0
         runs: list[np.ndarray] = []
         loop_tokens = loop_steps = 0  # the greedy loop replayed, where every anchor was measured
+        loop_records: list[list[int]] = []  # [record, tokens, steps]: intervals are drawn on them
         hits_sum = np.zeros(self.recipe.block_size - 1)
         rows_sum = np.zeros(self.recipe.block_size - 1)
         for index, sequence in enumerate(sequences):
@@ -600,10 +601,11 @@ class Trainer:
             record_runs = np.cumprod(hits, axis=1).sum(1)
             runs.append(record_runs)
             if not anchors_per_record:  # every anchor (a sample would replay short records only)
-                loop_tokens += len(record_runs)
-                loop_steps += loop_steps_over(record_runs)
+                loop_records.append([index, len(record_runs), loop_steps_over(record_runs)])
+                loop_tokens += loop_records[-1][1]
+                loop_steps += loop_records[-1][2]
         run = np.concatenate(runs) if runs else np.zeros(1)
-        return {
+        result = {
             "loss": loss_sum / max(weight_sum, 1e-9),
             "acc": acc_sum / max(weight_sum, 1e-9),
             "tau": round(1.0 + float(run.mean()), 4),
@@ -618,6 +620,9 @@ class Trainer:
             "tau_loop": round(loop_tokens / loop_steps, 4) if loop_steps else None,
             "step": self.state.step,
         }
+        if loop_records:  # each record's replayed loop, for intervals over records
+            result["loop_records"] = loop_records
+        return result
 
 
 def loop_steps_over(runs: np.ndarray) -> int:

@@ -91,9 +91,11 @@ def write_card(drafter_dir: Path, target_name: str) -> Path:
         if s.get("stage") == "evalset":  # `python -m drafters.dflash.evalset measure --log`
             taus = " / ".join(f"{k} {v:.3f}" for k, v in s.get("tau_loop", {}).items())
             records = sum(k.get("records", 0) for k in s.get("by_kind", {}).values())
+            low, high = s.get("tau_loop_mean_90") or (None, None)
+            interval = f"{low:.3f}-{high:.3f}" if low is not None else "-"
             evalsets.append(
                 f"| {s['at']} | {s['step']} | {s.get('tau_loop_mean', 0):.3f} | {taus} "
-                f"| {records} |"
+                f"| {records} | {interval} |"
             )
             continue
         if s.get("stage") == "eval":
@@ -213,10 +215,12 @@ sitting, where measured.
 `python -m drafters.dflash.evalset measure --log`: the first held-out prompts of each kind of
 the mix, each whole greedy continuation (`drafters/dflash/evalsets/`), tokens a step of the
 greedy loop replayed offline (equal to the real loop's): more prompts and tokens than above.
+The interval draws the records with replacement (bootstrap, within each kind): how far the
+mean could move on another draw of prompts like these.
 
-| at (UTC) | step | mean tau | per kind | records |
-|---|---:|---:|---|---:|
-{chr(10).join(evalsets) or "| - | - | - | not measured yet | - |"}
+| at (UTC) | step | mean tau | per kind | records | 90% interval (records drawn) |
+|---|---:|---:|---|---:|---|
+{chr(10).join(evalsets) or "| - | - | - | not measured yet | - | - |"}
 
 ## Projection: tau against labels seen
 

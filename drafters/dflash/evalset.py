@@ -93,6 +93,7 @@ def measure(
             "tau": result["tau"],
             "loss": round(result["loss"], 4),
             "records": len(sequences),
+            "loop_records": result.get("loop_records", []),
         }
         log.info(
             "%s: tau_loop %.3f (mean over anchors %.3f)", kind, result["tau_loop"], result["tau"]
@@ -100,6 +101,7 @@ def measure(
     return {
         "tau_loop": {k: v["tau_loop"] for k, v in by_kind.items()},
         "tau_loop_mean": round(float(np.mean([v["tau_loop"] for v in by_kind.values()])), 4),
+        "tau_loop_mean_90": loop_interval(by_kind),
         "by_kind": by_kind,
         "depth": depth,
         "step": state.step,
@@ -107,10 +109,47 @@ def measure(
     }
 
 
+def loop_interval(
+    after: dict[str, dict[str, Any]],
+    before: dict[str, dict[str, Any]] | None = None,
+    *,
+    rounds: int = 4000,
+    level: float = 0.9,
+    seed: int = 0,
+) -> list[float]:
+    """A bootstrap interval of `tau_loop_mean` over the eval set's records (each kind's records
+    drawn with replacement, each kind's tau the drawn records' tokens over their steps, the
+    mean over kinds), from a measure's `by_kind`. With `before` (a measure of another
+    checkpoint on the same records), the interval of after minus before, the same records
+    drawn for both: paired, so the records' own difficulty cancels and a sitting's gain can
+    be told from the eval set's noise."""
+    rng = np.random.default_rng(seed)
+    total = np.zeros(rounds)
+    for kind, measured in after.items():
+        a = np.asarray(measured["loop_records"], dtype=np.float64).reshape(-1, 3)
+        draws = rng.integers(0, len(a), size=(rounds, len(a)))
+        tau = a[draws, 1].sum(1) / a[draws, 2].sum(1)
+        if before is not None:
+            b = np.asarray(before[kind]["loop_records"], dtype=np.float64).reshape(-1, 3)
+            if not np.array_equal(a[:, 0], b[:, 0]):
+                raise ValueError(f"{kind}: the two measures are not over the same records")
+            tau = tau - b[draws, 1].sum(1) / b[draws, 2].sum(1)
+        total += tau
+    mean = total / max(len(after), 1)
+    tail = (1.0 - level) / 2 * 100
+    return [round(float(np.percentile(mean, tail)), 4),
+            round(float(np.percentile(mean, 100 - tail)), 4)]  # fmt: skip
+
+
 def log_measure(drafter_dir: Path, result: dict[str, Any], command: str) -> None:
-    """Append the measure to the drafter's sittings log (the card shows the newest)."""
+    """Append the measure to the drafter's sittings log (the card shows the newest), without
+    the per-record loops (they serve intervals, and would bloat the log)."""
     state = campaign.read_state(drafter_dir)
-    entry = {**campaign.log_entry("evalset", command, state), **result}
+    by_kind = {
+        kind: {k: v for k, v in measured.items() if k != "loop_records"}
+        for kind, measured in result["by_kind"].items()
+    }
+    entry = {**campaign.log_entry("evalset", command, state), **result, "by_kind": by_kind}
     campaign.write_json(
         drafter_dir / campaign.SITTINGS_FILE, campaign.read_sittings(drafter_dir) + [entry]
     )

@@ -7,6 +7,7 @@ import engine  # noqa: F401  (preloads a fast BLAS; must come before mlx)
 
 # isort: split
 import json
+import shutil
 from pathlib import Path
 
 import factories
@@ -940,3 +941,38 @@ def test_eval_set_intervals_draw_records_and_pair_two_checkpoints_on_the_same_on
     shuffled = {k: {"loop_records": v["loop_records"][::-1]} for k, v in after.items()}
     with pytest.raises(ValueError, match="not over the same records"):
         loop_interval(shuffled, before)
+
+
+def test_evalset_compare_pairs_two_checkpoints_on_the_command_line(
+    tiny, tmp_path, monkeypatch, capsys
+):
+    """`evalset compare`: a checkpoint against itself gains exactly nothing, interval included;
+    against one trained further the gain is the difference of the two measures."""
+    from drafters.dflash import evalset
+
+    target, target_dir = tiny
+    vocab = target.vocab_size
+    monkeypatch.setattr(campaign, "CACHE_ROOT", tmp_path / "cache")
+    first, later = tmp_path / "first", tmp_path / "later"
+    corpus = (_records(6, vocab), _records(2, vocab, seed=1))
+    kwargs = _sitting_args(target_dir, first, tmp_path, corpus)
+    campaign.run_sitting(recipe=_tiny_recipe(), max_steps=2, **kwargs)
+    shutil.copytree(first, later)
+    campaign.run_sitting(recipe=None, max_steps=3, **{**kwargs, "drafter_dir": later})
+    records = [{**r, "kind": kind} for kind in ("chat", "editing") for r in _records(3, vocab, 2)]
+    path = evalset.write_evalset(records, tmp_path / "set.jsonl.gz")
+    common = ["--target", str(target_dir), "--evalset", str(path)]
+
+    evalset.main(["compare", "--drafter-dir", str(first), "--before", str(first), *common])
+    same = json.loads(capsys.readouterr().out)
+    assert same["gain"] == 0.0 and same["gain_90"] == [0.0, 0.0]
+    evalset.main(["compare", "--drafter-dir", str(later), "--before", str(first), *common])
+    out = json.loads(capsys.readouterr().out)
+    assert (out["after"]["step"], out["before"]["step"]) == (5, 2)
+    assert out["gain"] == pytest.approx(
+        out["after"]["tau_loop_mean"] - out["before"]["tau_loop_mean"], abs=1e-4
+    )
+    low, high = out["gain_90"]
+    assert low <= high and set(out["gain_by_kind"]) == {"chat", "editing"}
+    with pytest.raises(SystemExit):
+        evalset.main(["compare", "--drafter-dir", str(later), *common])

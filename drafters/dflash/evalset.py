@@ -2,6 +2,7 @@
 
     python -m drafters.dflash.evalset build [--per-kind 24]   # once: the target's continuations
     python -m drafters.dflash.evalset measure [--drafter-dir D] [--log]
+    python -m drafters.dflash.evalset compare --drafter-dir D --before E   # D's gain over E
 
 `campaign eval` runs the real speculative loop on 3 held-out prompts a kind for 64 tokens: a
 minute, but a coarse measure (a sitting's gain is often inside its noise). Here the first
@@ -141,6 +142,29 @@ def loop_interval(
             round(float(np.percentile(mean, 100 - tail)), 4)]  # fmt: skip
 
 
+def compare(
+    target: str, drafter_dir: Path, before_dir: Path, records: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Both checkpoints measured on the eval set, and the first's gain in `tau_loop_mean` over
+    the second with its paired 90% interval (`loop_interval`): per kind and overall."""
+    after = measure(target, drafter_dir, records, campaign.CACHE_ROOT)
+    before = measure(target, before_dir, records, campaign.CACHE_ROOT)
+    a, b = after["by_kind"], before["by_kind"]
+    return {
+        "after": {"dir": str(drafter_dir), "step": after["step"], "tau_loop": after["tau_loop"],
+                  "tau_loop_mean": after["tau_loop_mean"]},
+        "before": {"dir": str(before_dir), "step": before["step"], "tau_loop": before["tau_loop"],
+                   "tau_loop_mean": before["tau_loop_mean"]},
+        "gain": round(after["tau_loop_mean"] - before["tau_loop_mean"], 4),
+        "gain_90": loop_interval(a, b),
+        "gain_by_kind": {
+            kind: [round(a[kind]["tau_loop"] - b[kind]["tau_loop"], 4),
+                   *loop_interval({kind: a[kind]}, {kind: b[kind]})]
+            for kind in sorted(a)
+        },
+    }  # fmt: skip
+
+
 def log_measure(drafter_dir: Path, result: dict[str, Any], command: str) -> None:
     """Append the measure to the drafter's sittings log (the card shows the newest), without
     the per-record loops (they serve intervals, and would bloat the log)."""
@@ -161,13 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("action", choices=("build", "measure"))
+    parser.add_argument("action", choices=("build", "measure", "compare"))
     parser.add_argument("--target", default=campaign.DEFAULT_TARGET)
     parser.add_argument("--drafter-dir", type=Path, default=campaign.DEFAULT_DRAFTER_DIR)
     parser.add_argument("--per-kind", type=int, default=DEFAULT_PER_KIND)
     parser.add_argument("--evalset", type=Path, help="default: evalsets/<target>.jsonl.gz")
     parser.add_argument("--log", action="store_true", help="measure: add it to the sittings log")
+    parser.add_argument("--before", type=Path, help="compare: the checkpoint measured against")
     args = parser.parse_args(argv)
+    if args.action == "compare" and args.before is None:
+        parser.error("compare needs --before DIR (the checkpoint --drafter-dir is set against)")
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -175,7 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "build":
         print(f"wrote {build_evalset(args.target, args.per_kind, path)}")
         return 0
-    result = measure(args.target, args.drafter_dir, read_evalset(path), campaign.CACHE_ROOT)
+    records = read_evalset(path)
+    if args.action == "compare":
+        print(json.dumps(compare(args.target, args.drafter_dir, args.before, records)))
+        return 0
+    result = measure(args.target, args.drafter_dir, records, campaign.CACHE_ROOT)
     if args.log:
         log_measure(args.drafter_dir, result, command)
     print(json.dumps(result))

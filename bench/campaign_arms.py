@@ -78,16 +78,16 @@ class Arm:
 
 
 def first_fresh_shard(state: campaign.State, shards: list[range]) -> int:
-    """The shard holding the first record no sitting has started training on: the one the
-    campaign itself trains next (`run --fresh-only`), so an adopted arm is its next step and
-    leaves no new record behind (the shard may open with a few trained ones)."""
+    """The shard the campaign itself trains next (`run --fresh-only`, `campaign.fresh_shard`):
+    the one holding the first record no sitting has started training on, or the next one when
+    that is mostly trained records; so an adopted arm is the campaign's own next step."""
     reached = state.records_reached or 0
     if reached >= shards[-1].stop:
         raise SystemExit(
             f"no fresh records (all {reached} train records reached): generate data first "
             "(python -m drafters.dflash.build --stages data, then --stages keep)"
         )
-    return campaign.shard_holding(shards, reached)
+    return campaign.fresh_shard(shards, reached)
 
 
 def send_to_shard(state: campaign.State, shard: int, shards: list[range]) -> None:
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from", dest="start", type=Path, default=campaign.DEFAULT_DRAFTER_DIR)
     parser.add_argument("--work", type=Path, required=True, help="where the arms' copies go")
     parser.add_argument("--out", type=Path, required=True, help="arms.json and arms.md go here")
-    parser.add_argument("--shard", type=int, help="default: the one holding the first fresh record")
+    parser.add_argument("--shard", type=int, help="default: the one the campaign trains next")
     parser.add_argument("--val-records", type=int, default=68, help="held-out records measured")
     parser.add_argument("--evalset", type=Path, help="default: evalsets/<target>.jsonl.gz")
     parser.add_argument(

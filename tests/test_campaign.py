@@ -71,6 +71,14 @@ def test_a_detour_over_fresh_shards_runs_to_the_corpus_end_then_goes_back():
     assert (cursor.shard, cursor.return_to) == (2, 1)
 
 
+def test_a_fresh_detour_skips_a_shard_of_mostly_trained_records_unless_it_is_the_last():
+    shards = campaign.shard_slices(40, 8)  # 0-8, ..., 32-40
+    assert campaign.fresh_shard(shards, 16) == 2  # shard 2 wholly new
+    assert campaign.fresh_shard(shards, 20) == 2  # half new: trained now
+    assert campaign.fresh_shard(shards, 21) == 3  # 3 of 8 new: they wait for the normal order
+    assert campaign.fresh_shard(shards, 37) == 4  # the last shard: its new records go now
+
+
 def test_shards_cover_the_corpus_once_and_absorb_a_small_tail():
     shards = campaign.shard_slices(1100, 512)
     assert [len(s) for s in shards] == [512, 588]  # a 76-record tail joins the last shard

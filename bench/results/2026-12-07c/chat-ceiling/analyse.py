@@ -2,7 +2,10 @@
 records: the target's own confidence in its next token (top-1 probability, from the feature
 store's top-k) and the drafter's first-row accuracy, overall and within bins of that confidence.
 
-    PYTHONPATH=$PWD python bench/results/2026-12-07c/chat-ceiling/analyse.py DRAFTER_DIR
+    PYTHONPATH=$PWD python bench/results/2026-12-07c/chat-ceiling/analyse.py DRAFTER_DIR [N]
+
+(N: only the first N held-out records, so that measures taken after the corpus grew stay on
+the same records; the held-out slice only grows at its end.)
 
 If chat's first-row accuracy matches the other kinds' within each confidence bin, chat is low
 because more of its positions are ones where the target itself is unsure (a ceiling the data
@@ -31,6 +34,7 @@ def main() -> None:
     target = campaign.DEFAULT_TARGET
     trainer = campaign.trainer_for(target, drafter_dir)
     _, val = campaign.corpus_split(target)
+    val = val[: int(sys.argv[2])] if len(sys.argv) > 2 else val
     seqs = campaign.to_sequences(val, trainer.state.recipe.max_len)
     store = trainer.store(seqs)
     conf: dict[str, list[np.ndarray]] = defaultdict(list)

@@ -65,7 +65,7 @@ class Arm:
         if not sep or not name or "/" in name:
             raise ValueError(f"an arm is NAME=ARGS (NAME without a slash), not {spec!r}")
         parsed = campaign.build_parser().parse_args(["run", *shlex.split(args)])
-        retune = campaign._recipe_args(parsed)
+        retune = campaign.recipe_args(parsed)
         layers = retune.pop("layers", None)  # a grow, not a retune: no campaign retunes it
         fixed = sorted(k for k in retune if k not in campaign.RETUNABLE)
         if fixed:

@@ -1232,10 +1232,10 @@ def loss_speed(target_name: str, recipe: Recipe, rounds: int) -> dict[str, Any]:
 
 # =================================================================== CLI
 def _recipe_from_args(args: argparse.Namespace) -> Recipe:
-    return Recipe(**_recipe_args(args))
+    return Recipe(**recipe_args(args))
 
 
-def _recipe_args(args: argparse.Namespace) -> dict[str, Any]:
+def recipe_args(args: argparse.Namespace) -> dict[str, Any]:
     """The recipe fields given on the command line."""
     given: dict[str, Any] = {}
     for name in (
@@ -1349,7 +1349,7 @@ def main(argv: list[str] | None = None) -> int:
             target_name=args.target,
             drafter_dir=args.drafter_dir,
             recipe=_recipe_from_args(args),
-            retune=_recipe_args(args),
+            retune=recipe_args(args),
             minutes=args.minutes,
             max_steps=args.steps,
             checkpoint_minutes=args.checkpoint_minutes,

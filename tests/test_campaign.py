@@ -699,7 +699,10 @@ def test_card_lists_every_sitting_and_eval(tiny, tmp_path, monkeypatch):
         )
     monkeypatch.setattr(campaign, "tau_eval", lambda *a: {"tau_mean": 1.5, "tau": {"chat": 1.5}})
     campaign.run_eval("t", drafter_dir, 1, 8, "eval", repo_root=tmp_path / "no-repo")
-    card = write_card(drafter_dir, "tiny").read_text()
+    from drafters.dflash.card import main as card_main
+
+    assert card_main(["--target", "tiny", "--drafter-dir", str(drafter_dir)]) == 0
+    card = (drafter_dir / "MODEL_CARD.md").read_text()
     assert "`first sitting`" in card and "`second sitting`" in card
     assert "| 2 | 1.500 | chat 1.50 | kept |" in card
     assert "candidate-set loss" in card and "warm start" not in card

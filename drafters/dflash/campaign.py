@@ -9,7 +9,7 @@ the last one on any machine.
     python -m drafters.dflash.campaign heldout                # held-out loss, acc, offline tau
     python -m drafters.dflash.campaign grow --layers 3        # more layers, same predictions
     python -m drafters.dflash.campaign grow --taps 1,14,27    # read one more target layer
-    python -m drafters.dflash.campaign card                   # MODEL_CARD.md (`card.py`)
+    python -m drafters.dflash.card                            # MODEL_CARD.md
     python -m drafters.dflash.evalset measure --log           # the eval set, loop replayed
 
 What the repository holds (`engine/models/smollm2_drafter/`, the registry's drafter directory):
@@ -1271,7 +1271,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "action",
-        choices=("run", "eval", "measure", "features", "speed", "card", "heldout", "grow"),
+        choices=("run", "eval", "measure", "features", "speed", "heldout", "grow"),
     )
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--drafter-dir", type=Path, default=DEFAULT_DRAFTER_DIR)
@@ -1412,10 +1412,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("grow needs --layers N (more than the drafter has) and/or --taps A,B,...")
         taps = None if args.taps is None else [int(t) for t in args.taps.split(",")]
         print(json.dumps(grow_checkpoint(args.drafter_dir, args.layers, command, taps)))
-    elif args.action == "card":
-        from drafters.dflash.card import write_card  # it reads this module's state and log
-
-        print(f"card written to {write_card(args.drafter_dir, args.target)}")
     elif args.action == "speed":
         print(
             json.dumps(loss_speed(args.target, _recipe_from_args(args), args.steps or 4), indent=1)

@@ -1,6 +1,6 @@
 """The drafter's MODEL_CARD.md, written from its training state and sittings log.
 
-    python -m drafters.dflash.campaign card        # regenerate it before a checkpoint commit
+    python -m drafters.dflash.card [--drafter-dir D]   # regenerate it before a checkpoint commit
 
 The card shows the recipe and the levers in force, every sitting (command, steps, hours,
 labels a second, held-out loss and offline tau), every `campaign eval` and eval-set measure,
@@ -10,11 +10,14 @@ and sittings each aim of the issue needs at that rate.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import numpy as np
 
 from drafters.dflash.campaign import (
+    DEFAULT_DRAFTER_DIR,
+    DEFAULT_TARGET,
     TAU_AIMS,
     VAL_MODULUS,
     State,
@@ -233,3 +236,16 @@ On the eval set (tokens a step of the loop replayed):
     path = drafter_dir / "MODEL_CARD.md"
     path.write_text(card)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--drafter-dir", type=Path, default=DEFAULT_DRAFTER_DIR)
+    args = parser.parse_args(argv)
+    print(f"card written to {write_card(args.drafter_dir, args.target)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

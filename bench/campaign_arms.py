@@ -144,21 +144,14 @@ def against(after: dict[str, Any], before: dict[str, Any]) -> dict[str, list[flo
     (`evalset.loop_interval`): the eval set's `tau_loop_mean` and the held-out records' loop
     tau, each as [difference, low, high]."""
     gains = {}
-    for name, a, b in (
-        ("evalset", after["evalset"]["by_kind"], before["evalset"]["by_kind"]),
-        ("loop_tau", {"all": after["heldout"]}, {"all": before["heldout"]}),
-    ):
-        gains[name] = [round(_loop_mean(a) - _loop_mean(b), 4), *evalset.loop_interval(a, b)]
+    for name, a, b, point in (
+        ("evalset", after["evalset"]["by_kind"], before["evalset"]["by_kind"],
+         after["evalset"]["tau_loop_mean"] - before["evalset"]["tau_loop_mean"]),
+        ("loop_tau", {"all": after["heldout"]}, {"all": before["heldout"]},
+         after["heldout"]["tau_loop"] - before["heldout"]["tau_loop"]),
+    ):  # fmt: skip
+        gains[name] = [round(point, 4), *evalset.loop_interval(a, b)]
     return gains
-
-
-def _loop_mean(by_kind: dict[str, dict[str, Any]]) -> float:
-    """Tokens a step of the replayed loop, per kind over its records, then the kinds' mean."""
-    taus = [
-        sum(r[1] for r in m["loop_records"]) / sum(r[2] for r in m["loop_records"])
-        for m in by_kind.values()
-    ]
-    return sum(taus) / len(taus)
 
 
 def run_arms(

@@ -19,7 +19,7 @@ import json
 import shutil
 from pathlib import Path
 
-from drafters.dflash.campaign import RETUNABLE
+from drafters.dflash.campaign_state import RETUNABLE
 
 
 def _read(path: Path) -> object:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from drafters.dflash import campaign, evalset
+from drafters.dflash import campaign, campaign_state, evalset
 
 Corpus = tuple[list[dict[str, Any]], list[dict[str, Any]]]
 
@@ -67,17 +67,17 @@ class Arm:
         parsed = campaign.build_parser().parse_args(["run", *shlex.split(args)])
         retune = campaign.recipe_args(parsed)
         layers = retune.pop("layers", None)  # a grow, not a retune: no campaign retunes it
-        fixed = sorted(k for k in retune if k not in campaign.RETUNABLE)
+        fixed = sorted(k for k in retune if k not in campaign_state.RETUNABLE)
         if fixed:
             raise ValueError(
                 f"arm {name}: {', '.join(fixed)} cannot change in a running campaign; an arm may "
-                f"retune {', '.join(campaign.RETUNABLE)}, or grow by --layers / --taps"
+                f"retune {', '.join(campaign_state.RETUNABLE)}, or grow by --layers / --taps"
             )
         taps = [int(t) for t in parsed.taps.split(",")] if parsed.taps else None
         return cls(name, args, retune, parsed.steps, layers, taps)
 
 
-def first_fresh_shard(state: campaign.State, shards: list[range]) -> int:
+def first_fresh_shard(state: campaign_state.State, shards: list[range]) -> int:
     """The shard the campaign itself trains next (`run --fresh-only`, `campaign.fresh_shard`):
     the one holding the first record no sitting has started training on, or the next one when
     that is mostly trained records; so an adopted arm is the campaign's own next step."""
@@ -90,7 +90,7 @@ def first_fresh_shard(state: campaign.State, shards: list[range]) -> int:
     return campaign.fresh_shard(shards, reached)
 
 
-def send_to_shard(state: campaign.State, shard: int, shards: list[range]) -> None:
+def send_to_shard(state: campaign_state.State, shard: int, shards: list[range]) -> None:
     """Point the cursor at the start of `shard`: a detour if it holds fresh records (the arm
     trains it as `campaign run` trains new data; fresh records before it count as reached),
     else a plain visit with no fresh records left to draw the cursor elsewhere (a repeated
@@ -106,7 +106,7 @@ def send_to_shard(state: campaign.State, shard: int, shards: list[range]) -> Non
     cursor.shard, cursor.pass_, cursor.position = shard, 0, 0
 
 
-def trip_steps(arm: Arm, recipe: campaign.Recipe, shard_size: int) -> int:
+def trip_steps(arm: Arm, recipe: campaign_state.Recipe, shard_size: int) -> int:
     """Steps of one trip over a shard: every pass, each a batch at a time."""
     passes = arm.retune.get("passes_per_shard", recipe.passes_per_shard)
     batch = arm.retune.get("batch_size", recipe.batch_size)
@@ -174,7 +174,7 @@ def run_arms(
     if len(set(names)) != len(names):
         raise ValueError(f"arm names repeat: {names}")
     corpus = corpus or campaign.corpus_split(target)
-    state = campaign.read_state(start)
+    state = campaign_state.read_state(start)
     recipe = state.recipe
     shards = campaign.shard_slices(len(corpus[0]), recipe.shard_records)
     reached = state.records_reached or 0
@@ -202,9 +202,9 @@ def run_arms(
         command += f" {arm.args}" if arm.args else ""
         if arm.grow_layers is not None or arm.grow_taps is not None:
             campaign.grow_checkpoint(directory, arm.grow_layers, command, arm.grow_taps)
-        arm_state = campaign.read_state(directory)
+        arm_state = campaign_state.read_state(directory)
         send_to_shard(arm_state, shard, shards)
-        campaign.write_json(directory / campaign.STATE_FILE, arm_state.to_dict())
+        campaign_state.write_json(directory / campaign_state.STATE_FILE, arm_state.to_dict())
         steps = arm.steps or trip_steps(arm, recipe, len(shards[shard]))
         log.info("arm %s: %d steps (%s)", arm.name, steps, arm.args or "the recipe as it is")
         sitting = campaign.run_sitting(

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from drafters.dflash import campaign
-from drafters.dflash.campaign import Cursor, Recipe
+from drafters.dflash import campaign, campaign_state, keep_gate
+from drafters.dflash.campaign_state import Cursor, Recipe
 from drafters.dflash.card import tau_projection, write_card
 from drafters.dflash.features import FeatureStore
 from drafters.dflash.levers import (
@@ -152,7 +152,7 @@ def _sitting_args(target_dir: Path, drafter_dir: Path, tmp_path: Path, corpus, *
 
 
 def _weights(directory: Path) -> dict[str, np.ndarray]:
-    tensors = mx.load(str(directory / campaign.WEIGHTS_FILE))
+    tensors = mx.load(str(directory / campaign_state.WEIGHTS_FILE))
     return {k: np.array(v.astype(mx.float32)) for k, v in tensors.items()}
 
 
@@ -165,17 +165,17 @@ def test_sitting_checkpoints_into_the_directory_and_the_next_one_resumes(tiny, t
     first = campaign.run_sitting(recipe=_tiny_recipe(), max_steps=3, **kwargs)
     assert first["steps"] == 3 and first["labels"] > 0
     assert (first["corpus_records"], first["heldout_records"]) == (10, 2)
-    state = campaign.read_state(drafter_dir)
+    state = campaign_state.read_state(drafter_dir)
     # 10 train records in shards of 4, 4 and 2, one pass each; 2 records a step
     assert state.step == 3 and state.sequences_seen == 6
     assert (state.cursor.shard, state.cursor.position) == (1, 2)
     saved = _weights(drafter_dir)
     assert all(v.dtype == np.float32 for v in saved.values())
-    raw = mx.load(str(drafter_dir / campaign.WEIGHTS_FILE))
+    raw = mx.load(str(drafter_dir / campaign_state.WEIGHTS_FILE))
     assert {v.dtype for v in raw.values()} == {mx.bfloat16}
-    assert "d2t" in mx.load(str(drafter_dir / campaign.VOCAB_FILE))
+    assert "d2t" in mx.load(str(drafter_dir / campaign_state.VOCAB_FILE))
 
-    model, loaded, draft_vocab = campaign.load_checkpoint(drafter_dir)
+    model, loaded, draft_vocab = campaign_state.load_checkpoint(drafter_dir)
     assert loaded.to_dict() == state.to_dict()
     assert len(draft_vocab) == 128
     for name, value in tree_flatten(model.parameters()):
@@ -183,11 +183,11 @@ def test_sitting_checkpoints_into_the_directory_and_the_next_one_resumes(tiny, t
     assert not list(drafter_dir.rglob("*.tmp")), "temporary files are renamed or removed"
 
     second = campaign.run_sitting(recipe=None, max_steps=4, **kwargs)
-    state = campaign.read_state(drafter_dir)
+    state = campaign_state.read_state(drafter_dir)
     assert second["resumed"] and second["step_start"] == 3 and state.step == 7
     # shard 1 ends at step 4, shard 2 at step 5 (wrap), shard 0 at step 7
     assert (state.cursor.shard, state.cursor.position, state.cursor.wraps) == (1, 0, 1)
-    sittings = json.loads((drafter_dir / campaign.SITTINGS_FILE).read_text())
+    sittings = json.loads((drafter_dir / campaign_state.SITTINGS_FILE).read_text())
     assert [s["steps"] for s in sittings] == [3, 4]
     assert state.recipe == _tiny_recipe()
 
@@ -195,11 +195,11 @@ def test_sitting_checkpoints_into_the_directory_and_the_next_one_resumes(tiny, t
     third = campaign.run_sitting(recipe=None, max_steps=1, retune={"lr": 5e-4, "gamma": 1.5},
                                  **kwargs)  # fmt: skip
     assert third["retuned"] == {"lr": [1e-3, 5e-4], "gamma": [0.0, 1.5]}
-    state = campaign.read_state(drafter_dir)
+    state = campaign_state.read_state(drafter_dir)
     assert (state.recipe.lr, state.recipe.gamma, state.step) == (5e-4, 1.5, 8)
     with pytest.raises(ValueError, match="keeps block_size"):
         campaign.run_sitting(recipe=None, max_steps=1, retune={"block_size": 8}, **kwargs)
-    assert campaign.read_state(drafter_dir).step == 8
+    assert campaign_state.read_state(drafter_dir).step == 8
 
 
 def _ten_record_campaign(tiny, tmp_path, steps: int):
@@ -216,7 +216,7 @@ def _ten_record_campaign(tiny, tmp_path, steps: int):
 def test_a_grown_corpus_trains_its_fresh_shards_first_then_goes_back(tiny, tmp_path):
     old, held_out, drafter_dir, kwargs = _ten_record_campaign(tiny, tmp_path, steps=6)
     vocab = tiny[0].vocab_size
-    state = campaign.read_state(drafter_dir)
+    state = campaign_state.read_state(drafter_dir)
     # wrapped once, half through shard 0
     assert (state.cursor.shard, state.cursor.position, state.cursor.wraps) == (0, 2, 1)
     assert state.records_reached == 10
@@ -224,7 +224,7 @@ def test_a_grown_corpus_trains_its_fresh_shards_first_then_goes_back(tiny, tmp_p
     # 8 new records: shards 0-4, 4-8, 8-12, 12-16, 16-18; record 10, the first new, is in shard 2
     kwargs["corpus"] = (old + _records(8, vocab, seed=2), held_out)
     campaign.run_sitting(recipe=None, max_steps=3, **kwargs)  # shard 2, half of shard 3
-    state = campaign.read_state(drafter_dir)
+    state = campaign_state.read_state(drafter_dir)
     assert (state.cursor.shard, state.cursor.position, state.cursor.return_to) == (3, 2, 0)
     assert state.records_reached == 16
     card = write_card(drafter_dir, "tiny").read_text()
@@ -232,7 +232,7 @@ def test_a_grown_corpus_trains_its_fresh_shards_first_then_goes_back(tiny, tmp_p
     # a sitting that resumes mid-detour finishes shard 3, then shard 4, then goes back to the
     # start of shard 0
     campaign.run_sitting(recipe=None, max_steps=3, **kwargs)
-    state = campaign.read_state(drafter_dir)
+    state = campaign_state.read_state(drafter_dir)
     assert (state.cursor.shard, state.cursor.position, state.cursor.wraps) == (0, 2, 1)
     assert (state.cursor.return_to, state.records_reached) == (-1, 18)
 
@@ -240,21 +240,21 @@ def test_a_grown_corpus_trains_its_fresh_shards_first_then_goes_back(tiny, tmp_p
 def test_fresh_only_trains_the_new_records_and_stops(tiny, tmp_path):
     old, held_out, drafter_dir, kwargs = _ten_record_campaign(tiny, tmp_path, steps=4)
     vocab = tiny[0].vocab_size
-    state = campaign.read_state(drafter_dir)
+    state = campaign_state.read_state(drafter_dir)
     assert (state.cursor.shard, state.cursor.wraps, state.records_reached) == (2, 0, 8)
     # shards 0-4, 4-8, 8-12, 12-16, 16-18: record 8 starts shard 2, the cursor's own
     kwargs["corpus"] = (old + _records(8, vocab, seed=2), held_out)
     record = campaign.run_sitting(recipe=None, max_steps=None, fresh_only=True, **kwargs)
-    state = campaign.read_state(drafter_dir)
+    state = campaign_state.read_state(drafter_dir)
     assert record["steps"] == 5 and record["saved"].startswith("no fresh records left")
     assert (state.cursor.shard, state.cursor.wraps, state.records_reached) == (0, 1, 18)
     # half through an old shard, new records in the next one: it goes now, and comes back
     campaign.run_sitting(recipe=None, max_steps=7, **kwargs)
-    cursor = campaign.read_state(drafter_dir).cursor
+    cursor = campaign_state.read_state(drafter_dir).cursor
     assert (cursor.shard, cursor.position) == (3, 2)
     kwargs["corpus"] = (kwargs["corpus"][0] + _records(4, vocab, seed=3), held_out)
     record = campaign.run_sitting(recipe=None, max_steps=None, fresh_only=True, **kwargs)
-    state = campaign.read_state(drafter_dir)
+    state = campaign_state.read_state(drafter_dir)
     # shards 0-4, ..., 12-16, 16-20, 20-22: records 18-21 are new, in shards 4 and 5 (3 steps)
     assert record["steps"] == 3 and (state.cursor.shard, state.cursor.position) == (3, 0)
     assert state.records_reached == 22
@@ -265,9 +265,9 @@ def test_fresh_only_trains_the_new_records_and_stops(tiny, tmp_path):
 
 def test_a_campaign_from_before_the_fresh_first_rule_counts_what_it_reached():
     shards = campaign.shard_slices(20, 4)
-    early = campaign.State(cursor=Cursor(shard=3, position=2))
+    early = campaign_state.State(cursor=Cursor(shard=3, position=2))
     assert campaign.records_reached_before(early, [], shards) == 12
-    wrapped = campaign.State(cursor=Cursor(shard=1, wraps=1))
+    wrapped = campaign_state.State(cursor=Cursor(shard=1, wraps=1))
     assert campaign.records_reached_before(wrapped, [{"corpus_records": 16}], shards) == 16
 
 
@@ -284,7 +284,7 @@ def test_weight_average_is_what_is_measured_and_shipped_while_training_goes_on(t
         target_layer_ids=target.layer_ids,
     )
     model = init_drafter(config, 0)
-    trainer = campaign.Trainer(target, "tiny", model, campaign.State(recipe=recipe), None,
+    trainer = campaign.Trainer(target, "tiny", model, campaign_state.State(recipe=recipe), None,
                                tmp_path)  # fmt: skip
     sequences = campaign.to_sequences(_records(4, target.vocab_size), recipe.max_len)
     store = trainer.store(sequences)
@@ -460,7 +460,7 @@ def test_a_prompt_anchor_sitting_trains_on_prompt_positions(tiny, tmp_path, monk
     result = campaign.run_sitting(recipe=_tiny_recipe(prompt_anchors=True), max_steps=2, **kwargs)
     assert result["steps"] == 2 and result["labels"] > 0
     assert set(firsts) == {3}  # after the shared prefix, not after each prompt (8)
-    assert campaign.read_state(drafter_dir).recipe.prompt_anchors
+    assert campaign_state.read_state(drafter_dir).recipe.prompt_anchors
     assert "prompt anchors" in write_card(drafter_dir, "tiny").read_text()
 
 
@@ -583,7 +583,7 @@ class _CheckpointRepo:
         campaign.run_sitting(recipe=None, max_steps=steps, **self.sitting_args)
 
     def evaluate(self) -> dict:
-        return campaign.run_eval(
+        return keep_gate.run_eval(
             "t", self.drafter_dir, 1, 8, "eval", repo_root=self.root, rejected_root=self.rejected
         )
 
@@ -594,7 +594,7 @@ def test_eval_keeps_a_better_checkpoint_and_restores_the_committed_one_otherwise
     repo = _CheckpointRepo(tiny, tmp_path)
     drafter_dir = repo.drafter_dir
     taus = iter([2.0, 1.5, 2.5])
-    monkeypatch.setattr(campaign, "tau_eval", lambda *a: {"tau_mean": next(taus), "tau": {}})
+    monkeypatch.setattr(keep_gate, "tau_eval", lambda *a: {"tau_mean": next(taus), "tau": {}})
     # nothing committed: the first checkpoint always lands; then it is committed
     first = repo.evaluate()
     assert first["kept"] and first["committed_tau_mean"] is None
@@ -602,19 +602,19 @@ def test_eval_keeps_a_better_checkpoint_and_restores_the_committed_one_otherwise
     committed_weights = _weights(drafter_dir)
 
     repo.sitting(2)  # a worse sitting (tau 1.5)
-    assert campaign.read_state(drafter_dir).step == 3
+    assert campaign_state.read_state(drafter_dir).step == 3
     worse = repo.evaluate()
     assert not worse["kept"] and worse["committed_tau_mean"] == 2.0
-    assert campaign.read_state(drafter_dir).step == 1  # the committed state is back
+    assert campaign_state.read_state(drafter_dir).step == 1  # the committed state is back
     for name, value in _weights(drafter_dir).items():
         np.testing.assert_array_equal(value, committed_weights[name])
     assert len(list(repo.rejected.iterdir())) == 1
-    stages = [s["stage"] for s in campaign.read_sittings(drafter_dir)]
+    stages = [s["stage"] for s in campaign_state.read_sittings(drafter_dir)]
     assert stages == ["sitting", "eval", "sitting", "eval"]  # the log keeps the rejected one
 
     repo.sitting(1)  # a better one (tau 2.5)
     better = repo.evaluate()
-    assert better["kept"] and campaign.read_state(drafter_dir).eval["tau_mean"] == 2.5
+    assert better["kept"] and campaign_state.read_state(drafter_dir).eval["tau_mean"] == 2.5
 
 
 def test_eval_judges_on_the_eval_set_where_the_committed_checkpoint_was_measured_on_it(
@@ -628,34 +628,35 @@ def test_eval_judges_on_the_eval_set_where_the_committed_checkpoint_was_measured
     drafter_dir = repo.drafter_dir
     loop_taus = iter([2.0, 1.5, 2.5])  # the real loop's: worse, then better
     gate_taus = iter([1.60, 1.70, 1.65])  # the eval set's: better, then worse
-    monkeypatch.setattr(campaign, "tau_eval", lambda *a: {"tau_mean": next(loop_taus), "tau": {}})
+    monkeypatch.setattr(keep_gate, "tau_eval", lambda *a: {"tau_mean": next(loop_taus), "tau": {}})
 
     def evaluate() -> dict:  # after `python -m drafters.dflash.evalset measure --log`
-        state = campaign.read_state(drafter_dir)
-        entry = {**campaign.log_entry("evalset", "measure", state),
+        state = campaign_state.read_state(drafter_dir)
+        entry = {**campaign_state.log_entry("evalset", "measure", state),
                  "tau_loop_mean": next(gate_taus)}  # fmt: skip
-        campaign.write_json(
-            drafter_dir / campaign.SITTINGS_FILE, campaign.read_sittings(drafter_dir) + [entry]
+        campaign_state.write_json(
+            drafter_dir / campaign_state.SITTINGS_FILE,
+            campaign_state.read_sittings(drafter_dir) + [entry],
         )
         return repo.evaluate()
 
     first = evaluate()
     assert first["kept"] and first["judged_on"] == "eval"  # nothing committed to compare
     repo.commit()
-    assert campaign.committed_gate(drafter_dir, repo.root) == 1.60
+    assert keep_gate.committed_gate(drafter_dir, repo.root) == 1.60
 
     repo.sitting(1)
     better = evaluate()  # the loop says 1.5 < 2.0, the eval set 1.70 >= 1.60: kept
     assert better["kept"] and better["judged_on"] == "evalset"
     assert better["committed_evalset_tau_loop_mean"] == 1.60
-    assert campaign.read_state(drafter_dir).step == 2
+    assert campaign_state.read_state(drafter_dir).step == 2
     repo.commit()
 
     repo.sitting(1)
     worse = evaluate()  # the loop says 2.5 >= 1.5, the eval set 1.65 < 1.70: restored
     assert not worse["kept"] and worse["judged_on"] == "evalset"
-    assert campaign.read_state(drafter_dir).step == 2
-    stages = [s["stage"] for s in campaign.read_sittings(drafter_dir)]
+    assert campaign_state.read_state(drafter_dir).step == 2
+    stages = [s["stage"] for s in campaign_state.read_sittings(drafter_dir)]
     assert stages[-3:] == ["sitting", "evalset", "eval"]  # the log keeps the rejected one's
 
 
@@ -682,7 +683,7 @@ def test_sigterm_finishes_the_step_saves_and_stops(tiny, tmp_path, monkeypatch):
         **_sitting_args(target_dir, tmp_path / "d", tmp_path, corpus, max_steps=None),
     )
     assert record["saved"].startswith("SIGTERM") and record["steps"] == 2
-    assert campaign.read_state(tmp_path / "d").step == 2
+    assert campaign_state.read_state(tmp_path / "d").step == 2
     assert signal.getsignal(signal.SIGTERM) == previous  # the handler is put back
 
 
@@ -697,8 +698,8 @@ def test_card_lists_every_sitting_and_eval(tiny, tmp_path, monkeypatch):
                 target_dir, drafter_dir, tmp_path, corpus, max_steps=1, command=command
             ),
         )
-    monkeypatch.setattr(campaign, "tau_eval", lambda *a: {"tau_mean": 1.5, "tau": {"chat": 1.5}})
-    campaign.run_eval("t", drafter_dir, 1, 8, "eval", repo_root=tmp_path / "no-repo")
+    monkeypatch.setattr(keep_gate, "tau_eval", lambda *a: {"tau_mean": 1.5, "tau": {"chat": 1.5}})
+    keep_gate.run_eval("t", drafter_dir, 1, 8, "eval", repo_root=tmp_path / "no-repo")
     from drafters.dflash.card import main as card_main
 
     assert card_main(["--target", "tiny", "--drafter-dir", str(drafter_dir)]) == 0
@@ -720,13 +721,13 @@ def test_tau_projection_fits_tau_against_log_labels():
          "labels": 1000},
         {"stage": "eval", "step": 200, "tau": {"editing": 2.0, "completion": 2.0, "chat": 1.0}},
     ]  # fmt: skip
-    state = campaign.State(step=200, labels_seen=2000)
+    state = campaign_state.State(step=200, labels_seen=2000)
     text = "\n".join(tau_projection(sittings, state))
     assert "| 1,000 | 1.500 | 1.500 | 1.500 |" in text and "| 2,000 |" in text
     # completion: 2.0 at 2000 labels, +0.5 a doubling: 3.0 at 8000, i.e. 6 sittings more
     assert "| completion | 3.0 | +0.500 | 8e+03 | 6 |" in text
     assert "| chat | 2.5 | -0.500 | not rising | - |" in text
-    one_eval = tau_projection(sittings[:2], campaign.State(step=100, labels_seen=1000))
+    one_eval = tau_projection(sittings[:2], campaign_state.State(step=100, labels_seen=1000))
     assert "Two evals" in one_eval[-1]
 
 
@@ -752,7 +753,7 @@ def test_offline_accepted_runs_equal_the_speculative_loops_on_the_bundled_pair(t
         pair.target,
         str(target_dir),
         pair.drafter.model,
-        campaign.State(recipe=recipe),
+        campaign_state.State(recipe=recipe),
         None if pair.drafter.head is None else np.array(pair.drafter.head.token_ids),
         tmp_path / "cache",
     )
@@ -803,7 +804,7 @@ def test_grow_keeps_the_predictions_and_the_next_sitting_trains_the_new_layer(ti
     sequences = campaign.to_sequences(corpus[1], 768)
 
     def measure(anchors: int = 0) -> dict:
-        model, state, draft_vocab = campaign.load_checkpoint(drafter_dir)
+        model, state, draft_vocab = campaign_state.load_checkpoint(drafter_dir)
         trainer = campaign.Trainer(target, "tiny", model, state, draft_vocab, tmp_path / "m")
         return trainer.heldout(trainer.store(sequences), sequences, anchors)
 
@@ -814,7 +815,7 @@ def test_grow_keeps_the_predictions_and_the_next_sitting_trains_the_new_layer(ti
     record = campaign.grow_checkpoint(drafter_dir, 3, "grow --layers 3")
     assert record["layers"] == [2, 3] and record["step"] == 2
     assert campaign.read_config(drafter_dir).num_hidden_layers == 3
-    assert campaign.read_state(drafter_dir).recipe.layers == 3
+    assert campaign_state.read_state(drafter_dir).recipe.layers == 3
     after = measure()
     assert after["tau"] == before["tau"] and after["acc"] == before["acc"]
     assert before["tau_loop"] >= 1.0 and after["tau_loop"] == before["tau_loop"]  # all anchors
@@ -823,7 +824,7 @@ def test_grow_keeps_the_predictions_and_the_next_sitting_trains_the_new_layer(ti
     assert not new_out.any()
 
     campaign.run_sitting(recipe=None, **kwargs)
-    assert campaign.read_state(drafter_dir).step == 4
+    assert campaign_state.read_state(drafter_dir).step == 4
     assert _weights(drafter_dir)["layers.2.self_attn.o_proj.weight"].any()
     card = write_card(drafter_dir, "tiny").read_text()
     assert "`grow --layers 3`: 2 -> 3 layers" in card and "grown to 3 layers" in card
@@ -866,7 +867,7 @@ def test_grow_by_a_tap_keeps_the_predictions_and_the_next_sitting_reads_the_new_
     assert after["loss"] == pytest.approx(before["loss"], rel=1e-5)
 
     campaign.run_sitting(recipe=None, **kwargs)
-    assert campaign.read_state(drafter_dir).step == 4
+    assert campaign_state.read_state(drafter_dir).step == 4
     assert _weights(drafter_dir)["fc.weight"][:, width : 2 * width].any()
     card = write_card(drafter_dir, "tiny").read_text()
     assert "taps [1, 3] -> [1, 2, 3]" in card
@@ -909,7 +910,7 @@ def test_the_eval_set_measures_each_kind_logs_it_and_shows_on_the_card(tiny, tmp
     assert [r[0] for r in result["by_kind"]["chat"]["loop_records"]] == [0, 1, 2]
 
     evalset.log_measure(drafter_dir, result, "evalset measure --log")
-    logged = campaign.read_sittings(drafter_dir)[-1]
+    logged = campaign_state.read_sittings(drafter_dir)[-1]
     assert logged["stage"] == "evalset" and logged["tau_loop_mean_90"] == [low, high]
     assert "loop_records" not in logged["by_kind"]["chat"]  # intervals only: kept out of the log
     card = write_card(drafter_dir, "tiny").read_text()

@@ -16,8 +16,8 @@ import pytest
 
 from bench.campaign_adopt import adopt
 from bench.campaign_arms import Arm, main, run_arms, send_to_shard, table
-from drafters.dflash import campaign
-from drafters.dflash.campaign import Cursor, Recipe
+from drafters.dflash import campaign, campaign_state
+from drafters.dflash.campaign_state import Cursor, Recipe
 
 VOCAB = 256  # the bundled tiny tokenizer's ids are all below this
 
@@ -70,11 +70,11 @@ def test_the_command_line_refuses_an_arm_by_name_before_training(tmp_path, capsy
 
 def test_the_cursor_goes_to_a_fresh_shard_on_a_detour_and_to_an_old_one_plainly():
     shards = campaign.shard_slices(18, 4)  # 0-4, 4-8, 8-12, 12-16, 16-18
-    fresh = campaign.State(cursor=Cursor(shard=1, position=2, wraps=1), records_reached=10)
+    fresh = campaign_state.State(cursor=Cursor(shard=1, position=2, wraps=1), records_reached=10)
     send_to_shard(fresh, 2, shards)  # holds records 10 and 11, the first fresh ones
     assert (fresh.cursor.shard, fresh.cursor.position, fresh.cursor.return_to) == (2, 0, 1)
     assert fresh.records_reached == 8  # the detour runs on from shard 2 to the corpus's end
-    old = campaign.State(cursor=Cursor(shard=1, return_to=4), records_reached=10)
+    old = campaign_state.State(cursor=Cursor(shard=1, return_to=4), records_reached=10)
     send_to_shard(old, 0, shards)
     assert (old.cursor.shard, old.cursor.return_to, old.records_reached) == (0, -1, 18)
 
@@ -105,7 +105,7 @@ def test_arms_train_the_first_fresh_shard_from_one_checkpoint_and_can_be_adopted
     first = result["step"]
     for name, steps in (("A", 2), ("B", 4), ("G", 1)):
         arm = result["arms"][name]
-        state = campaign.read_state(Path(arm["directory"]))
+        state = campaign_state.read_state(Path(arm["directory"]))
         assert arm["sitting"]["steps"] == steps and state.step == first + steps
         assert set(arm["evalset"]["tau_loop"]) == {"chat", "editing"}
         assert arm["heldout"]["tau_loop"] is not None  # every anchor: the loop replayed
@@ -118,9 +118,9 @@ def test_arms_train_the_first_fresh_shard_from_one_checkpoint_and_can_be_adopted
         cursor = result["arms"][name]["sitting"]["cursor"]
         assert (cursor["shard"], cursor["position"], cursor["return_to"]) == (3, 0, 0)
     assert result["arms"]["B"]["retuned"] == {"passes_per_shard": [1, 2], "lr": [1e-3, 5e-4]}
-    grown = campaign.read_sittings(Path(result["arms"]["G"]["directory"]))
+    grown = campaign_state.read_sittings(Path(result["arms"]["G"]["directory"]))
     assert [s["stage"] for s in grown[-2:]] == ["grow", "sitting"]
-    assert campaign.read_state(Path(result["arms"]["G"]["directory"])).recipe.layers == 3
+    assert campaign_state.read_state(Path(result["arms"]["G"]["directory"])).recipe.layers == 3
     assert result["baseline"]["evalset"]["step"] == first
 
     json.dumps(result)  # arms.json: plain numbers throughout
@@ -133,5 +133,5 @@ def test_arms_train_the_first_fresh_shard_from_one_checkpoint_and_can_be_adopted
 
     adopted = adopt(Path(result["arms"]["B"]["directory"]), start, "two passes")
     assert adopted["step"] == first + 4
-    log = json.loads((start / campaign.SITTINGS_FILE).read_text())
+    log = json.loads((start / campaign_state.SITTINGS_FILE).read_text())
     assert log[-1]["note"] == "two passes" and log[-1]["retuned"]["lr"] == [1e-3, 5e-4]

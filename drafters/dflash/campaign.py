@@ -21,6 +21,9 @@ What the repository holds (`engine/models/smollm2_drafter/`, the registry's draf
 - `training/sittings.json`: every sitting (command, steps, hours, labels a second, held-out loss)
   and every `eval` (tau per kind).
 
+The state, the cursor and the checkpoint files are `drafters.dflash.campaign_state`'s; whether
+a sitting's checkpoint replaces the committed one is `drafters.dflash.keep_gate`'s (`eval`).
+
 No optimizer moments are kept (they would triple the checkpoint and every commit): a resume
 starts AdamW afresh and re-warms the learning rate over `rewarm_steps`. Files are written under
 temporary names and renamed, `state.json` last, so a crash mid-save leaves the previous state
@@ -50,16 +53,13 @@ import hashlib
 import json
 import logging
 import math
-import os
 import platform
 import shlex
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +69,25 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from drafters.dflash.checkpoint import load_dflash_model, read_config
+from drafters.dflash.campaign_state import (  # the state's names stay importable from here
+    CACHE_ROOT,
+    DEFAULT_DRAFTER_DIR,
+    DEFAULT_TARGET,
+    RETUNABLE,
+    STATE_FILE,
+    Recipe,
+    State,
+    has_state,
+    learning_rate,
+    load_checkpoint,
+    log_entry,
+    read_sittings,
+    save_checkpoint,
+)
+from drafters.dflash.checkpoint import read_config
 from drafters.dflash.corpus import corpus_dir, read_parts
 from drafters.dflash.features import FeatureStore
+from drafters.dflash.keep_gate import run_eval
 from drafters.dflash.levers import (
     greedy_chain_labels,
     lever_batch,
@@ -92,167 +108,13 @@ from drafters.dflash.train import (
     shared_prefix_lengths,
     use_cpu_kernels,
 )
-from drafters.dflash.vocab import D2T_KEY, DraftHead, choose_draft_vocab, read_draft_vocab, to_d2t
+from drafters.dflash.vocab import DraftHead, choose_draft_vocab
 from engine.step.target import TargetAdapter
 
 log = logging.getLogger("campaign")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TARGET = "smollm2-135m-instruct"
-DEFAULT_DRAFTER_DIR = REPO_ROOT / "engine" / "models" / "smollm2_drafter"
-CACHE_ROOT = Path.home() / ".cache" / "flashbatch" / "campaign"
-WEIGHTS_FILE = "model.safetensors"
-VOCAB_FILE = "draft_vocab.safetensors"
-STATE_FILE = "training/state.json"
-SITTINGS_FILE = "training/sittings.json"
 VAL_MODULUS = 128  # 1 record in 128 (by key hash) is held out: ~31 of 3,967
 EVAL_KINDS = ("completion", "editing", "chat", "prose")
-
-
-# =================================================================== recipe and cursor
-@dataclass
-class Recipe:
-    """Everything that decides what a sitting trains; stored in state.json, kept on resume."""
-
-    layers: int = 2
-    block_size: int = 8
-    mask_token_id: int = 16  # `<empty_output>`: the last vocabulary row is an ordinary word
-    draft_vocab: int = 16384
-    num_anchors: int = 64  # blocks per sequence
-    batch_size: int = 4  # sequences per optimizer step
-    max_len: int = 768
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    warmup_steps: int = 100  # from initialisation
-    rewarm_steps: int = 50  # after every resume (fresh AdamW moments)
-    horizon_steps: int = 20000  # cosine decay to min_lr_fraction over this many steps
-    min_lr_fraction: float = 0.1
-    shard_records: int = 512
-    passes_per_shard: int = 3
-    top_k: int = 8  # target top-k kept by the feature pass (~50 bytes a token)
-    candidates: bool = False  # lever (i): candidate-set loss
-    negatives: int = 256  # shared sampled negatives of the candidate set
-    distill: float = 0.0  # lever (ii): weight of KL(target top-k || drafter)
-    warm_start: bool = False  # lever (iii): drafter layers from the target's top layers
-    gamma: float = 0.0  # block row j's loss weight exp(-(j-1)/gamma); 0: the paper's for the block
-    ema: float = 0.0  # weight averaging: ship/measure avg <- ema*avg + (1-ema)*w each step; 0: off
-    # lever (iv): anchors in the prompts too, labelled by the target's own argmax chain
-    prompt_anchors: bool = False
-    # lever (v): rows of a training block (anchor + masks); 0: block_size. Inference truncates
-    # the block to the draft depth, so a short block is what a depth-3 draft runs, and it
-    # buys more anchors for the same rows. The model keeps block_size (deeper drafts work).
-    train_block: int = 0
-    seed: int = 0
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Recipe:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
-
-
-# What a resumed campaign may change (`run --lr ...`): how it optimises. The rest fixes the model
-# (layers, block size, draft vocabulary, mask token), the data cut (shards, max_len, top-k) or
-# the schedule's shape, and is kept from the campaign's start.
-RETUNABLE = ("lr", "gamma", "ema", "num_anchors", "batch_size", "passes_per_shard",
-             "negatives", "distill", "candidates", "prompt_anchors", "train_block")  # fmt: skip
-
-
-@dataclass
-class Cursor:
-    """Where the data stream stands: records `position` onward of pass `pass_` over shard
-    `shard` are next; `wraps` counts the times the whole corpus was used up."""
-
-    shard: int = 0
-    pass_: int = 0
-    position: int = 0
-    wraps: int = 0
-    return_to: int = -1  # on a detour over fresh shards: the shard to go back to (-1: none)
-
-    def visit_fresh(self, shard: int, now: bool = False) -> None:
-        """Go to the start of `shard`, which holds records no sitting has trained, and on from
-        it to the corpus's end; then back to the start of the shard the cursor was on (a shard
-        left half done is trained again: simpler than keeping its place, and cheap). Where
-        `shard` comes next anyway (the first trip round the corpus), the cursor stays, unless
-        `now` (it must not finish the shard it is on first)."""
-        if shard == self.shard or (shard == self.shard + 1 and not now):
-            return
-        if self.return_to < 0:
-            self.return_to = self.shard
-        self.shard, self.pass_, self.position = shard, 0, 0
-
-    def advance(self, records: int, shard_size: int, num_shards: int, passes: int) -> bool:
-        """Move past `records` records of a shard of `shard_size`; True when the shard changed
-        (the pass is done and it was the last pass over this shard)."""
-        self.position += records
-        if self.position < shard_size:
-            return False
-        self.position = 0
-        self.pass_ += 1
-        if self.pass_ < passes:
-            return False
-        self.pass_ = 0
-        self.shard += 1
-        if self.return_to >= 0 and self.shard >= num_shards:  # the detour is over
-            self.shard, self.return_to = self.return_to, -1
-        elif self.shard >= num_shards:
-            self.shard = 0
-            self.wraps += 1
-        return True
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Cursor:
-        return cls(**{k: int(v) for k, v in raw.items() if k in {f.name for f in fields(cls)}})
-
-
-@dataclass
-class State:
-    """`training/state.json`: all a resume needs besides the weights."""
-
-    recipe: Recipe = field(default_factory=Recipe)
-    step: int = 0  # optimizer steps, all sittings
-    labels_seen: int = 0  # weighted block rows with a label, all sittings
-    sequences_seen: int = 0
-    cursor: Cursor = field(default_factory=Cursor)
-    # train records (in corpus order) that some sitting has started training on; records past
-    # it are fresh. None: a state from before this was kept (`records_reached_before`).
-    records_reached: int | None = None
-    heldout: dict[str, Any] | None = None  # last held-out loss/acc and its step
-    eval: dict[str, Any] | None = None  # last accepted tau eval
-    saved_at: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["schedule"] = {
-            "step": self.step,
-            "horizon_steps": self.recipe.horizon_steps,
-            "lr_after_warmup": learning_rate(self.recipe, self.step, 10**9),
-        }
-        return out
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> State:
-        return cls(
-            recipe=Recipe.from_dict(raw.get("recipe", {})),
-            step=int(raw.get("step", 0)),
-            labels_seen=int(raw.get("labels_seen", 0)),
-            sequences_seen=int(raw.get("sequences_seen", 0)),
-            cursor=Cursor.from_dict(raw.get("cursor", {})),
-            records_reached=raw.get("records_reached"),
-            heldout=raw.get("heldout"),
-            eval=raw.get("eval"),
-            saved_at=raw.get("saved_at", ""),
-        )
-
-
-def learning_rate(recipe: Recipe, step: int, sitting_step: int, resumed: bool = False) -> float:
-    """Warmup (a short re-warm after a resume: AdamW starts without moments), then cosine decay
-    over the campaign's horizon by the global step, down to `min_lr_fraction`."""
-    warm = recipe.rewarm_steps if resumed else recipe.warmup_steps
-    ramp = min(1.0, (sitting_step + 1) / max(1, warm))
-    progress = min(1.0, step / max(1, recipe.horizon_steps))
-    floor = recipe.min_lr_fraction
-    return recipe.lr * ramp * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 # =================================================================== corpus and shards
@@ -314,80 +176,6 @@ def to_sequences(records: list[dict[str, Any]], max_len: int) -> list[TrainSeque
     for sequence, shared in zip(sequences, shared_prefix_lengths(sequences)):
         sequence.shared_prefix = int(shared)
     return sequences
-
-
-# =================================================================== repository checkpoint
-def has_state(directory: Path) -> bool:
-    return (directory / STATE_FILE).is_file()
-
-
-def read_state(directory: Path) -> State:
-    return State.from_dict(json.loads((directory / STATE_FILE).read_text()))
-
-
-def read_sittings(directory: Path) -> list[dict[str, Any]]:
-    path = directory / SITTINGS_FILE
-    return json.loads(path.read_text()) if path.exists() else []
-
-
-def _replace(path: Path, write: Any) -> None:
-    """Write `path` through a temporary file in the same directory and rename it over."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are package data
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
-def write_json(path: Path, value: Any) -> None:
-    _replace(path, lambda p: p.write_text(json.dumps(value, indent=1) + "\n"))
-
-
-def save_checkpoint(
-    directory: Path,
-    model: DFlashDraftModel,
-    state: State,
-    draft_vocab: np.ndarray | None,
-    sittings: list[dict[str, Any]],
-    weights: dict[str, mx.array] | None = None,
-) -> None:
-    """The drafter (bf16, z-lab layout; `weights`, e.g. the average, instead of the model's
-    own) and its training state, each file renamed into place, weights first, `state.json` last."""
-    config = model.config.to_dict()
-    config["torch_dtype"] = "bfloat16"
-    flat = weights if weights is not None else dict(tree_flatten(model.parameters()))
-    weights = {k: v.astype(mx.bfloat16) for k, v in flat.items()}
-    _replace(
-        directory / "config.json",
-        lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"),
-    )
-    _replace(directory / WEIGHTS_FILE, lambda p: _save_tensors(p, weights))
-    vocab_path = directory / VOCAB_FILE
-    if draft_vocab is not None and not vocab_path.exists():
-        _replace(vocab_path, lambda p: _save_tensors(p, {D2T_KEY: to_d2t(draft_vocab)}))
-    state.saved_at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-    write_json(directory / SITTINGS_FILE, sittings)
-    write_json(directory / STATE_FILE, state.to_dict())
-
-
-def _save_tensors(path: Path, tensors: dict[str, mx.array]) -> None:
-    # mx.save_safetensors insists on a ".safetensors" name; stage it in a subdirectory, where
-    # a drafter loader (every top-level *.safetensors) never sees a half-written file.
-    staging = path.parent / "training" / ".staging"
-    staging.mkdir(parents=True, exist_ok=True)
-    staged = staging / (path.name + ".safetensors")
-    mx.save_safetensors(str(staged), tensors, metadata={"format": "mlx"})
-    os.replace(staged, path)
-
-
-def load_checkpoint(directory: Path) -> tuple[DFlashDraftModel, State, np.ndarray | None]:
-    """The drafter (float32, for training), its state and its draft vocabulary."""
-    model = load_dflash_model(directory, dtype=mx.float32)
-    return model, read_state(directory), read_draft_vocab(directory)
 
 
 # =================================================================== training pieces
@@ -752,17 +540,6 @@ def heldout_of(
     return trainer.heldout(trainer.store(val_seqs), val_seqs, heldout_anchors)
 
 
-def log_entry(stage: str, command: str, state: State) -> dict[str, Any]:
-    """The fields every non-sitting entry of the sittings log starts with."""
-    return {
-        "stage": stage,
-        "command": command,
-        "at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "step": state.step,
-        "labels_seen": state.labels_seen,
-    }
-
-
 def grow_checkpoint(
     drafter_dir: Path, layers: int | None, command: str, taps: list[int] | None = None
 ) -> dict[str, Any]:
@@ -1026,157 +803,6 @@ def run_sitting(
 
 
 # =================================================================== held-out tau
-def committed_file(drafter_dir: Path, name: str, repo_root: Path = REPO_ROOT) -> str | None:
-    """The text of `drafter_dir / name` as committed at HEAD (None: not committed)."""
-    try:
-        rel = (drafter_dir / name).resolve().relative_to(repo_root.resolve())
-        out = subprocess.run(
-            ["git", "-C", str(repo_root), "show", f"HEAD:{rel}"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (ValueError, subprocess.CalledProcessError, FileNotFoundError):
-        return None
-    return out.stdout
-
-
-def committed_eval(drafter_dir: Path, repo_root: Path = REPO_ROOT) -> dict[str, Any] | None:
-    """The eval of the checkpoint committed at HEAD (None: nothing committed yet)."""
-    state = committed_file(drafter_dir, STATE_FILE, repo_root)
-    if state is None:
-        return None
-    return json.loads(state).get("eval") or {"tau_mean": 0.0}
-
-
-def logged_gate(sittings: list[dict[str, Any]], step: int) -> float | None:
-    """The eval-set tau (`tau_loop_mean` of `python -m drafters.dflash.evalset measure --log`)
-    that a sittings log holds for the checkpoint at `step`: the newest one (None: none)."""
-    measures = [
-        s for s in sittings
-        if s.get("stage") == "evalset" and s.get("step") == step and "tau_loop_mean" in s
-    ]  # fmt: skip
-    return float(measures[-1]["tau_loop_mean"]) if measures else None
-
-
-def committed_gate(drafter_dir: Path, repo_root: Path = REPO_ROOT) -> float | None:
-    """The eval-set tau of the checkpoint committed at HEAD, from HEAD's sittings log."""
-    state = committed_file(drafter_dir, STATE_FILE, repo_root)
-    sittings = committed_file(drafter_dir, SITTINGS_FILE, repo_root)
-    if state is None or sittings is None:
-        return None
-    return logged_gate(json.loads(sittings), json.loads(state).get("step"))
-
-
-def tau_eval(
-    target_name: str, drafter_dir: Path, prompts_per_kind: int, max_tokens: int
-) -> dict[str, Any]:
-    """Greedy tau per kind on held-out prompts of the mix (the bench's `mix` split), at the
-    drafter's own block size, with the real speculative loop."""
-    from drafters.dflash.datagen import encode
-    from drafters.dflash.prompt_mix import build_prompts
-    from engine.models.loading import load_pair
-    from engine.step.sampling import SamplingParams
-    from engine.step.speculative import generate
-
-    pair = load_pair(target_name, drafter_dir)
-    depth = read_config(drafter_dir).block_size - 1
-    held = build_prompts("held_out", prompts_per_kind)
-    taus: dict[str, float] = {}
-    started = time.time()
-    for kind in EVAL_KINDS:
-        steps = committed = 0
-        for prompt in (p for p in held if p.kind == kind):
-            params = SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, num_speculative_tokens=depth
-            )
-            out = generate(
-                pair.target, encode(pair.tokenizer, prompt), params, drafter=pair.drafter
-            )
-            steps += len(out.steps)
-            committed += sum(s.committed for s in out.steps)
-        taus[kind] = round(committed / max(steps, 1), 4)
-        log.info("tau %s: %.3f", kind, taus[kind])
-    return {
-        "tau": taus,
-        "tau_mean": round(float(np.mean(list(taus.values()))), 4),
-        "prompts_per_kind": prompts_per_kind,
-        "max_tokens": max_tokens,
-        "depth": depth,
-        "seconds": round(time.time() - started),
-    }
-
-
-def run_eval(
-    target_name: str,
-    drafter_dir: Path,
-    prompts_per_kind: int,
-    max_tokens: int,
-    command: str,
-    force: bool = False,
-    repo_root: Path = REPO_ROOT,
-    rejected_root: Path = CACHE_ROOT,
-) -> dict[str, Any]:
-    """Held-out tau of the checkpoint in `drafter_dir`; it stays (and its state records the
-    eval) when tau >= the committed checkpoint's (the first one always stays), else the
-    committed files are restored from git and the candidate is moved to the cache. Either way
-    the sittings log records the eval (and keeps the sittings of a candidate it throws away).
-
-    The tau judged is the eval set's (96 records replayed whole: `python -m
-    drafters.dflash.evalset measure --log`, run first) where the sittings logs hold it for
-    both checkpoints; else the real loop's on `prompts_per_kind` prompts a kind (`tau_eval`,
-    always run and logged). The loop's 12 prompts moved by about a sitting's gain: at step
-    14988 it read 1.521 -> 1.511 while the eval set read 1.665 -> 1.681 and 68 held-out
-    records 1.643 -> 1.653."""
-    result = tau_eval(target_name, drafter_dir, prompts_per_kind, max_tokens)
-    state = read_state(drafter_dir)
-    committed = committed_eval(drafter_dir, repo_root)
-    bar = None if committed is None else float(committed.get("tau_mean", 0.0))
-    gate = logged_gate(read_sittings(drafter_dir), state.step)
-    gate_bar = committed_gate(drafter_dir, repo_root) if gate is not None else None
-    if gate is not None and gate_bar is not None:
-        judged = {"judged_on": "evalset", "evalset_tau_loop_mean": gate,
-                  "committed_evalset_tau_loop_mean": gate_bar}  # fmt: skip
-        better = gate >= gate_bar
-    else:
-        judged = {"judged_on": "eval"}
-        better = bar is None or result["tau_mean"] >= bar
-    keep = force or better
-    entry = {
-        **log_entry("eval", command, state),
-        **result,
-        "committed_tau_mean": bar,
-        **judged,
-        "kept": keep,
-    }
-    sittings = read_sittings(drafter_dir) + [entry]
-    if keep:
-        state.eval = {**result, "step": state.step, "at": entry["at"]}
-        write_json(drafter_dir / SITTINGS_FILE, sittings)
-        write_json(drafter_dir / STATE_FILE, state.to_dict())
-    else:
-        keep_dir = rejected_root / f"rejected-step{state.step}-{int(time.time())}"
-        shutil.copytree(drafter_dir, keep_dir)
-        rel = drafter_dir.resolve().relative_to(repo_root.resolve())
-        subprocess.run(
-            ["git", "-C", str(repo_root), "checkout", "HEAD", "--", str(rel)], check=True
-        )
-        write_json(drafter_dir / SITTINGS_FILE, sittings)  # the log only grows
-        log.info(
-            "%s tau below the committed one's: restored the committed checkpoint; candidate "
-            "kept in %s",
-            judged["judged_on"],
-            keep_dir,
-        )
-    print(json.dumps(entry, indent=1))
-    return entry
-
-
-# =================================================================== model card
-# The issue's aims: held-out greedy tau per kind at the shipped block size.
-TAU_AIMS = {"editing": 3.5, "completion": 3.0, "chat": 2.5}
-
-
 # =================================================================== loss speed
 def loss_speed(target_name: str, recipe: Recipe, rounds: int) -> dict[str, Any]:
     """Seconds per micro-step (forward + backward, no update) of each loss, interleaved round

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from drafters.dflash import campaign
+from drafters.dflash import campaign, campaign_state
 from drafters.dflash.corpus import read_part
 from drafters.dflash.train import read_jsonl_records
 
@@ -168,14 +168,15 @@ def compare(
 def log_measure(drafter_dir: Path, result: dict[str, Any], command: str) -> None:
     """Append the measure to the drafter's sittings log (the card shows the newest), without
     the per-record loops (they serve intervals, and would bloat the log)."""
-    state = campaign.read_state(drafter_dir)
+    state = campaign_state.read_state(drafter_dir)
     by_kind = {
         kind: {k: v for k, v in measured.items() if k != "loop_records"}
         for kind, measured in result["by_kind"].items()
     }
-    entry = {**campaign.log_entry("evalset", command, state), **result, "by_kind": by_kind}
-    campaign.write_json(
-        drafter_dir / campaign.SITTINGS_FILE, campaign.read_sittings(drafter_dir) + [entry]
+    entry = {**campaign_state.log_entry("evalset", command, state), **result, "by_kind": by_kind}
+    campaign_state.write_json(
+        drafter_dir / campaign_state.SITTINGS_FILE,
+        campaign_state.read_sittings(drafter_dir) + [entry],
     )
 
 

@@ -68,15 +68,19 @@ def _qkv(B: int, H: int, KV: int, L: int, T: int, D: int = 32):
             mx.random.normal((B, KV, T, D)))  # fmt: skip
 
 
+@pytest.mark.parametrize("keys_first", [True, False])  # a decode step's scores as k @ q
 @pytest.mark.parametrize("block_scores", [1 << 18, 1 << 10])  # small: many query blocks
 @pytest.mark.parametrize(
     "shape",
     [(1, 6, 2, 1, 40), (5, 9, 3, 1, 70), (3, 4, 4, 4, 50), (2, 6, 2, 64, 64), (1, 6, 2, 90, 200)],
 )
-def test_attention_equals_mlx_sdpa_for_every_mask_kind(monkeypatch, block_scores, shape):
+def test_attention_equals_mlx_sdpa_for_every_mask_kind(
+    monkeypatch, keys_first, block_scores, shape
+):
     """No mask (decode), "causal" (a prompt chunk after a cached prefix: L < T), a ragged
     boolean mask (rows of different lengths, as `RaggedKVCache.make_mask` builds it) and an
     additive one, with grouped-query heads; with one block and with many query blocks."""
+    monkeypatch.setattr(cpu_kernels, "_DECODE_KEYS_FIRST", keys_first)
     monkeypatch.setattr(cpu_kernels, "_BLOCK_SCORES", block_scores)
     monkeypatch.setattr(cpu_kernels, "_FUSED_SCORES", 0)  # small shapes too, not MLX's
     monkeypatch.setattr(cpu_kernels, "_FUSED_SCORES_QUERIES", 0)
@@ -91,6 +95,29 @@ def test_attention_equals_mlx_sdpa_for_every_mask_kind(monkeypatch, block_scores
         got = cpu_kernels.attention(q, k, v, 0.3, mask)
         assert got.shape == expected.shape
         assert mx.allclose(got, expected, rtol=1e-4, atol=1e-5).item(), (shape, mask)
+
+
+def test_decode_scores_keys_first_are_the_same_bits_on_a_sliced_cache(monkeypatch):
+    """A decode step over a ragged cache's buffers sliced to the longest row (a strided view,
+    as `RaggedKVCache.fetch` returns): keys @ queries gives exactly the output of queries @
+    keys^T, so greedy decoding cannot change with it."""
+    monkeypatch.setattr(cpu_kernels, "_FUSED_SCORES", 0)
+    B, H, KV, T, capacity, D = 6, 9, 3, 300, 512, 64
+    mx.random.seed(3)
+    q = mx.random.normal((B, H, 1, D))
+    keys, values = (
+        mx.random.normal((B + 2, KV, capacity, D)),
+        mx.random.normal((B + 2, KV, capacity, D)),
+    )
+    lengths = mx.array([T - 1 - 37 * b for b in range(B)])
+    mask = mx.arange(T)[None, None, None, :] <= lengths[:, None, None, None]
+    outputs = []
+    for keys_first in (False, True):
+        monkeypatch.setattr(cpu_kernels, "_DECODE_KEYS_FIRST", keys_first)
+        outputs.append(cpu_kernels.attention(q, keys[:B, :, :T], values[:B, :, :T], 0.125, mask))
+    if mx.default_device().type == mx.DeviceType.cpu:  # where the engine runs these kernels
+        assert mx.array_equal(outputs[0], outputs[1]).item()
+    assert mx.allclose(outputs[0], outputs[1], rtol=1e-5, atol=1e-6).item()
 
 
 def test_a_causal_block_that_sees_a_later_key_fails_the_comparison(monkeypatch):

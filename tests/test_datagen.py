@@ -207,3 +207,24 @@ def test_a_base_model_without_a_chat_template_gets_chat_prompts_as_text():
 
     prompt = Prompt(kind="chat", text="Hi", chat=True)
     assert encode(BaseTokenizer(), prompt) == [ord("H"), ord("i")]
+
+
+def test_prompts_go_window_by_window_shortest_first_and_all_go_once():
+    """Rows decoding together get contexts of similar length, while the mix's order holds
+    from one window to the next (a run stopped early keeps every kind's share)."""
+    prompts = [Prompt("chat", "x" * n, chat=False) for n in (5, 1, 9, 3, 7, 2, 8)]
+    made: list[str] = []
+
+    def ids_of(prompt: Prompt) -> list[int]:
+        made.append(prompt.text)
+        return [0] * len(prompt.text)
+
+    source = datagen.shortest_first_by_window(prompts, ids_of, 3)
+    first = [next(source) for _ in range(3)]
+    assert [len(ids) for _, ids in first] == [1, 5, 9]  # the first window, shortest first
+    assert len(made) == 3  # ids are made a window at a time, as they are reached
+    rest = list(source)
+    assert [len(ids) for _, ids in rest] == [2, 3, 7, 8]
+    assert sorted(p.text for p, _ in first + rest) == sorted(p.text for p in prompts)
+    in_order = datagen.shortest_first_by_window(prompts, ids_of, 1)
+    assert [p for p, _ in in_order] == prompts

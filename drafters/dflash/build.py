@@ -68,7 +68,9 @@ def take_in_corpus(work: Path, target: str) -> int:
     return imported
 
 
-def stage_data(work: Path, target: str, per_kind: int, concurrency: int) -> dict[str, Any]:
+def stage_data(
+    work: Path, target: str, per_kind: int, concurrency: int, length_window: int = 256
+) -> dict[str, Any]:
     from drafters.dflash.datagen import DEFAULT_MAX_TOKENS, generate_mix
     from drafters.dflash.prompt_mix import build_prompts
     from drafters.dflash.train import read_jsonl_records
@@ -86,6 +88,7 @@ def stage_data(work: Path, target: str, per_kind: int, concurrency: int) -> dict
                 work / "data.jsonl",
                 max_tokens=DEFAULT_MAX_TOKENS,
                 concurrency=concurrency,
+                length_window=length_window,
             )  # fmt: skip
         )
     except KeyboardInterrupt:  # stopped by hand: every finished request is on file
@@ -303,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default="data,fit,eval")
     parser.add_argument("--per-kind", type=int, default=2000, help="data prompts of each kind")
     parser.add_argument("--concurrency", type=int, default=32, help="data generation")
+    parser.add_argument(
+        "--length-window", type=int, default=256,
+        help="data generation: prompts a window, each window shortest first (0: in order)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=2000, help="total optimizer steps")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=8)
@@ -345,7 +352,9 @@ def _run_stages(args: argparse.Namespace, argv: list[str], parser: argparse.Argu
     work.mkdir(parents=True, exist_ok=True)
     for stage in stages:
         if stage == "data":
-            stats = stage_data(work, args.target, args.per_kind, args.concurrency)
+            stats = stage_data(
+                work, args.target, args.per_kind, args.concurrency, args.length_window
+            )
         elif stage == "keep":
             stats = stage_keep(work, args.target)
         elif stage == "fit":

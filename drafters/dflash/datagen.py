@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,24 @@ def done_keys(path: Path) -> set[str]:
     return {r["key"] for r in read_jsonl_records(path) if "key" in r}
 
 
+def shortest_first_by_window(
+    items: list[Prompt], length: Callable[[Prompt], list[int]], window: int
+) -> Iterator[tuple[Prompt, list[int]]]:
+    """`items` with their token ids, window by window (in their order), each window's
+    shortest first; ids are made a window at a time, as the consumer reaches it.
+
+    The rows decoding together then have contexts of similar length: a decode step's
+    attention runs every row to the longest row's length, and the mix's prompts run from ~40
+    tokens (chat) to ~950 (completion). A window of a few hundred keeps the kinds interleaved
+    as the mix has them, so a run stopped early still leaves every kind its share."""
+    window = max(1, window)
+    for start in range(0, len(items), window):
+        chunk = items[start : start + window]
+        ids = [length(item) for item in chunk]
+        for i in sorted(range(len(chunk)), key=lambda i: len(ids[i])):
+            yield chunk[i], ids[i]
+
+
 async def generate_mix(
     target: str,
     prompts: list[Prompt],
@@ -46,8 +65,11 @@ async def generate_mix(
     concurrency: int = 32,
     max_prompt_tokens: int = 1536,
     temperature: float = 0.0,
+    length_window: int = 256,
 ) -> int:
-    """Append the target's continuation of every prompt not yet in `out_path`; return how many."""
+    """Append the target's continuation of every prompt not yet in `out_path`; return how many.
+    Prompts go in `length_window`s, each shortest first (`shortest_first_by_window`; 0 or
+    1: in order)."""
     from engine import AsyncEngine
     from engine.config import EngineConfig
     from engine.step.sampling import SamplingParams
@@ -67,16 +89,17 @@ async def generate_mix(
     tokens_out = 0
     start = time.perf_counter()
     async with AsyncEngine(config) as engine:
-        queue: asyncio.Queue[Prompt] = asyncio.Queue()
-        for p in todo:
-            queue.put_nowait(p)
+
+        def ids_of(prompt: Prompt) -> list[int]:
+            return encode(engine.tokenizer, prompt)[-max_prompt_tokens:]
+
+        # One source for every worker (no await inside it, so no two workers step it at once).
+        source = shortest_first_by_window(todo, ids_of, length_window or 1)
         with out_path.open("a") as out:
 
             async def worker() -> None:
                 nonlocal written, tokens_out
-                while not queue.empty():
-                    prompt = queue.get_nowait()
-                    ids = encode(engine.tokenizer, prompt)[-max_prompt_tokens:]
+                for prompt, ids in source:
                     limit = max_tokens if isinstance(max_tokens, int) else max_tokens[prompt.kind]
                     params = SamplingParams(max_tokens=limit, temperature=temperature)
                     generated: list[int] = []
@@ -115,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", default="train", choices=("train", "held_out"))
     parser.add_argument("--per-kind", type=int, default=2000, help="prompts of each kind")
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--length-window", type=int, default=256,
+        help="prompts a window, each window shortest first (0: in order)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -128,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out,
             max_tokens=DEFAULT_MAX_TOKENS,
             concurrency=args.concurrency,
+            length_window=args.length_window,
         )  # fmt: skip
     )
     print(f"wrote {written} records to {args.out}")

@@ -802,7 +802,6 @@ def run_sitting(
             signal.signal(s, handler)
 
 
-# =================================================================== held-out tau
 # =================================================================== loss speed
 def loss_speed(target_name: str, recipe: Recipe, rounds: int) -> dict[str, Any]:
     """Seconds per micro-step (forward + backward, no update) of each loss, interleaved round

@@ -164,7 +164,7 @@ def run_arms(
     eval_records: list[dict[str, Any]],
     val_records: int | None = None,
     baseline: bool = True,
-    cache_root: Path = campaign.CACHE_ROOT,
+    cache_root: Path = campaign_state.CACHE_ROOT,
     corpus: Corpus | None = None,
 ) -> dict[str, Any]:
     """Train and measure each arm from the checkpoint in `start` (never written); the result
@@ -282,8 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--arm", action="append", required=True, metavar="NAME=ARGS")
-    parser.add_argument("--target", default=campaign.DEFAULT_TARGET)
-    parser.add_argument("--from", dest="start", type=Path, default=campaign.DEFAULT_DRAFTER_DIR)
+    parser.add_argument("--target", default=campaign_state.DEFAULT_TARGET)
+    parser.add_argument(
+        "--from", dest="start", type=Path, default=campaign_state.DEFAULT_DRAFTER_DIR
+    )
     parser.add_argument("--work", type=Path, required=True, help="where the arms' copies go")
     parser.add_argument("--out", type=Path, required=True, help="arms.json and arms.md go here")
     parser.add_argument("--shard", type=int, help="default: the one the campaign trains next")

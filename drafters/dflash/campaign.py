@@ -69,7 +69,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from drafters.dflash.campaign_state import (  # the state's names stay importable from here
+from drafters.dflash.campaign_state import (
     CACHE_ROOT,
     DEFAULT_DRAFTER_DIR,
     DEFAULT_TARGET,

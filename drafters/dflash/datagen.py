@@ -39,7 +39,7 @@ def done_keys(path: Path) -> set[str]:
 
 
 def shortest_first_by_window(
-    items: list[Prompt], length: Callable[[Prompt], list[int]], window: int
+    items: list[Prompt], ids_of: Callable[[Prompt], list[int]], window: int
 ) -> Iterator[tuple[Prompt, list[int]]]:
     """`items` with their token ids, window by window (in their order), each window's
     shortest first; ids are made a window at a time, as the consumer reaches it.
@@ -48,10 +48,10 @@ def shortest_first_by_window(
     attention runs every row to the longest row's length, and the mix's prompts run from ~40
     tokens (chat) to ~950 (completion). A window of a few hundred keeps the kinds interleaved
     as the mix has them, so a run stopped early still leaves every kind its share."""
-    window = max(1, window)
+    window = max(1, window)  # 0 or 1: in order
     for start in range(0, len(items), window):
         chunk = items[start : start + window]
-        ids = [length(item) for item in chunk]
+        ids = [ids_of(item) for item in chunk]
         for i in sorted(range(len(chunk)), key=lambda i: len(ids[i])):
             yield chunk[i], ids[i]
 
@@ -94,7 +94,7 @@ async def generate_mix(
             return encode(engine.tokenizer, prompt)[-max_prompt_tokens:]
 
         # One source for every worker (no await inside it, so no two workers step it at once).
-        source = shortest_first_by_window(todo, ids_of, length_window or 1)
+        source = shortest_first_by_window(todo, ids_of, length_window)
         with out_path.open("a") as out:
 
             async def worker() -> None:

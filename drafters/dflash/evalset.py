@@ -147,14 +147,17 @@ def compare(
 ) -> dict[str, Any]:
     """Both checkpoints measured on the eval set, and the first's gain in `tau_loop_mean` over
     the second with its paired 90% interval (`loop_interval`): per kind and overall."""
-    after = measure(target, drafter_dir, records, campaign.CACHE_ROOT)
-    before = measure(target, before_dir, records, campaign.CACHE_ROOT)
+    after = measure(target, drafter_dir, records, campaign_state.CACHE_ROOT)
+    before = measure(target, before_dir, records, campaign_state.CACHE_ROOT)
     a, b = after["by_kind"], before["by_kind"]
+
+    def summary(directory: Path, measured: dict[str, Any]) -> dict[str, Any]:
+        keys = ("step", "tau_loop", "tau_loop_mean")
+        return {"dir": str(directory), **{k: measured[k] for k in keys}}
+
     return {
-        "after": {"dir": str(drafter_dir), "step": after["step"], "tau_loop": after["tau_loop"],
-                  "tau_loop_mean": after["tau_loop_mean"]},
-        "before": {"dir": str(before_dir), "step": before["step"], "tau_loop": before["tau_loop"],
-                   "tau_loop_mean": before["tau_loop_mean"]},
+        "after": summary(drafter_dir, after),
+        "before": summary(before_dir, before),
         "gain": round(after["tau_loop_mean"] - before["tau_loop_mean"], 4),
         "gain_90": loop_interval(a, b),
         "gain_by_kind": {
@@ -187,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("action", choices=("build", "measure", "compare"))
-    parser.add_argument("--target", default=campaign.DEFAULT_TARGET)
-    parser.add_argument("--drafter-dir", type=Path, default=campaign.DEFAULT_DRAFTER_DIR)
+    parser.add_argument("--target", default=campaign_state.DEFAULT_TARGET)
+    parser.add_argument("--drafter-dir", type=Path, default=campaign_state.DEFAULT_DRAFTER_DIR)
     parser.add_argument("--per-kind", type=int, default=DEFAULT_PER_KIND)
     parser.add_argument("--evalset", type=Path, help="default: evalsets/<target>.jsonl.gz")
     parser.add_argument("--log", action="store_true", help="measure: add it to the sittings log")
@@ -207,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "compare":
         print(json.dumps(compare(args.target, args.drafter_dir, args.before, records)))
         return 0
-    result = measure(args.target, args.drafter_dir, records, campaign.CACHE_ROOT)
+    result = measure(args.target, args.drafter_dir, records, campaign_state.CACHE_ROOT)
     if args.log:
         log_measure(args.drafter_dir, result, command)
     print(json.dumps(result))

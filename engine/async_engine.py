@@ -154,6 +154,7 @@ class AsyncEngine:
                 if self._runner.max_depth:
                     profile = await loop.run_in_executor(self._executor, self._runner.profile)
                     self._policy.seed(profile)
+        self._runner.keep_features = self.config.keep_features
         prefix = None
         if self.config.prefix_cache_bytes:
             self._runner.prefix_caching = True
@@ -223,6 +224,14 @@ class AsyncEngine:
     def draft_sources(self) -> tuple[str, ...]:
         """The draft sources this engine serves (after loading)."""
         return tuple(self._runner.source_depths) if self._runner is not None else ()
+
+    @property
+    def feature_taps(self) -> list[int]:
+        """The target layers whose hidden states this engine taps for its drafter (what
+        `keep_features` hands out, concatenated in this order); empty without DFlash."""
+        if self._runner is None or self._runner.drafter is None:
+            return []
+        return list(self._runner.target.layer_ids)
 
     async def shutdown(self, drain_timeout: float | None = 0.0) -> None:
         """Stop accepting requests; let in-flight ones finish for up to `drain_timeout`

@@ -28,6 +28,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # (`scheduler.scheduler.Scheduler._held`). False: only finished and aborted requests leave
     # entries, and nobody is held.
     prefix_share_in_flight: bool = True
+    # Hand every leaving request's tapped target features out in its step's result
+    # (`StepResult.released_features`, read by a step hook): drafter training data made as it
+    # is generated (`drafters.dflash.datagen --features-dir`). Needs DFlash served (the
+    # drafter sets the taps); one process only.
+    keep_features: bool = False
     # None: the adaptive depth controller; a number: that fixed depth for everyone (0 = off)
     num_speculative_tokens: int | None = None
     # Adaptive only: per batch size, hold drafting off where whole steps, event loop included,
@@ -84,7 +89,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"parallel {self.parallel!r}: one of tensor, pipeline (or unset)")
         if self.rank_timeout_s <= 0:
             raise ValueError("rank_timeout_s must be > 0")
-        self.served_sources()  # unknown names, or dflash without a drafter, fail here
+        sources = self.served_sources()  # unknown names, or dflash without a drafter, fail here
+        if self.keep_features and ("dflash" not in sources or self.parallel):
+            raise ValueError("keep_features needs DFlash served (its drafter sets the taps), "
+                             "in one process")  # fmt: skip
 
     def served_sources(self) -> tuple[str, ...]:
         """The draft sources this configuration serves (see `draft_sources`). None (empty) when

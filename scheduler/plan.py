@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.step.logprobs import TokenLogprob
 from engine.step.prefix_cache import PrefixSave
 from engine.step.sampling import SamplingParams
@@ -108,6 +110,10 @@ class StepResult:
     # "forward" (drafter + target + sampling, up to the one sync) and "commit" (rollback and
     # bookkeeping); with phase profiling on, "forward" splits into "draft" and "verify".
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    # With the engine's `keep_features`: each row that left this step, its target features
+    # [n, F] (float32) of its n cache positions: the prompt and every committed token but the
+    # last (which never went through the target).
+    released_features: dict[str, np.ndarray] = field(default_factory=dict)
     kv_bytes: int = 0
     memory_active: int | None = None  # MLX allocator, bytes
     memory_peak: int | None = None

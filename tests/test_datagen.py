@@ -228,3 +228,83 @@ def test_prompts_go_window_by_window_shortest_first_and_all_go_once():
     assert sorted(p.text for p, _ in first + rest) == sorted(p.text for p in prompts)
     in_order = datagen.shortest_first_by_window(prompts, ids_of, 1)
     assert [p for p, _ in in_order] == prompts
+
+
+def test_records_keep_the_features_and_top_k_the_feature_pass_would_compute(tmp_path):
+    """Data generation with `features_dir` keeps, per record, what the campaign's feature pass
+    computes for it: the drafter's tapped features of every position but the last, and the
+    target's top-k next-token log-probabilities (from the forwards that generated it). A store
+    over the records then copies them all and runs the target over none."""
+    import numpy as np
+    import pytest
+
+    from drafters.dflash import features as feature_store
+    from drafters.dflash.features import FeatureSidecar, FeatureStore
+    from engine.models.loading import load_pair
+
+    target_dir, drafter_dir = bundled_paths()
+    prompts = [
+        Prompt("completion", "def add(a, b):\n", chat=False),
+        Prompt("editing", SOURCE, chat=False),
+        Prompt("prose", "The module begins with", chat=False),
+        Prompt("completion", "class Stack:\n    def push(self, x):\n", chat=False),
+    ]
+    side = tmp_path / "sidecar"
+    written = asyncio.run(datagen.generate_mix(
+        str(target_dir), prompts, tmp_path / "data.jsonl", max_tokens=12, concurrency=3,
+        features_dir=side, drafter=drafter_dir, top_k=8,
+    ))  # fmt: skip
+    assert written == len(prompts)
+    records = [json.loads(line) for line in (tmp_path / "data.jsonl").read_text().splitlines()]
+    tokens = [np.array(r["tokens"], dtype=np.int32) for r in records]
+    target = load_pair(target_dir, drafter_dir).target  # tapped as the drafter reads
+    sidecar = FeatureSidecar(side, str(target_dir), target.layer_ids, 8)
+    reference = FeatureStore.build(target, tokens, tmp_path / "ref", str(target_dir), top_k=8)
+    for i, seq in enumerate(tokens):
+        features, top_ids, top_logp = sidecar.read(seq, reference.width)
+        want_ids, want_logp = reference.top(i)
+        np.testing.assert_allclose(features[:-1], np.array(reference.get(i))[0, :-1],
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+        np.testing.assert_array_equal(top_ids[:-1, 0], want_ids[:-1, 0])
+        np.testing.assert_allclose(top_logp[:-1], want_logp[:-1], atol=2e-3)
+        assert not top_ids[-1].any()  # predicts past the end: read by nothing
+
+    def never(*args):
+        raise AssertionError("a batch computed although the sidecar held every sequence")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(feature_store, "_write_batch", never)
+        store = FeatureStore.build(target, tokens, tmp_path / "new", str(target_dir), top_k=8,
+                                   sidecar=sidecar)  # fmt: skip
+    assert len(store) == len(tokens) and not list(side.glob("*.npz"))
+
+
+def test_sidecar_rows_need_one_feature_row_and_one_log_prob_entry_a_position():
+    import numpy as np
+
+    from engine.step.logprobs import TokenLogprob
+
+    entry = TokenLogprob(5, -0.1, [(5, -0.1), (6, -2.5)])
+    features = np.ones((2, 4), dtype=np.float32)
+    rows = datagen.sidecar_rows([1, 5, 5], features, [None, entry, entry], top_k=2)
+    assert rows is not None
+    padded, ids, logp = rows
+    assert padded.shape == (3, 4) and not padded[2].any() and ids.tolist()[:2] == [[5, 6]] * 2
+    assert datagen.sidecar_rows([1, 5, 5], features[:1], [None, entry, entry], 2) is None
+    # A draft accepted past the request's end: the cache held more; the record's rows are kept.
+    longer = np.arange(16, dtype=np.float32).reshape(4, 4)
+    kept, _, _ = datagen.sidecar_rows([1, 5, 5], longer, [None, entry, entry], 2)
+    np.testing.assert_array_equal(kept, longer[:3])
+    assert datagen.sidecar_rows([1, 5, 5], features, [None, entry], 2) is None
+    assert datagen.sidecar_rows([1, 5, 5], features, [None, entry, entry], 3) is None
+
+
+def test_keep_features_needs_dflash_served():
+    import pytest
+
+    from engine.config import EngineConfig
+
+    target_dir, drafter_dir = bundled_paths()
+    with pytest.raises(ValueError, match="keep_features"):
+        EngineConfig(target=str(target_dir), keep_features=True).validate()
+    EngineConfig(target=str(target_dir), drafter=str(drafter_dir), keep_features=True).validate()

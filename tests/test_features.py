@@ -14,7 +14,7 @@ import pytest
 
 from drafters.dflash import features as feature_store
 from drafters.dflash import train
-from drafters.dflash.features import FeatureStore, length_batches
+from drafters.dflash.features import FeatureSidecar, FeatureStore, length_batches
 from engine.models.loading import load_target_model
 from engine.step.target import TargetAdapter
 
@@ -111,6 +111,61 @@ def test_a_store_whose_index_does_not_match_is_computed_again(
     for i, seq in enumerate(tokens):
         alone = np.array(train.target_features(target, seq))
         np.testing.assert_allclose(np.array(store.get(i)), alone, rtol=1e-4, atol=1e-4)
+
+
+def test_a_store_copies_what_its_sidecar_holds_and_computes_only_the_rest(
+    qwen3_target_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Sequences whose rows data generation kept (`FeatureSidecar`) are copied into a new store,
+    not computed; the others are, in batches of their own; the sidecar's files go once the
+    store is whole. A sidecar keyed by other taps is never read."""
+    target = _target(qwen3_target_dir)
+    tokens = _corpus(target.vocab_size, LENGTHS, seed=6)
+    reference = FeatureStore.build(target, tokens, tmp_path / "ref", "qwen3", max_rows=1, top_k=4)
+    # The target's folder or its registry name: the same sidecar files.
+    kept = FeatureSidecar(tmp_path / "side", "models/qwen3", LAYER_IDS, 4)
+    marked = {1, 4, 7}
+    for i in marked:  # shifted, so a copied row is told from a computed one
+        ids, logp = reference.top(i)
+        kept.write(tokens[i], np.array(reference.get(i))[0] + 1000.0, ids, logp)
+    other_taps = FeatureSidecar(tmp_path / "side", "qwen3", [0, 2], 4)
+    other_taps.write(tokens[2], np.zeros((len(tokens[2]), reference.width)), *reference.top(2))
+    computed: list[int] = []
+    real_write = feature_store._write_batch
+
+    def counting(target, tokens, members, *rest):
+        computed.extend(members)
+        real_write(target, tokens, members, *rest)
+
+    monkeypatch.setattr(feature_store, "_write_batch", counting)
+    sidecar = FeatureSidecar(tmp_path / "side", "qwen3", LAYER_IDS, 4)
+    store = FeatureStore.build(target, tokens, tmp_path / "new", "qwen3", max_rows=1, top_k=4,
+                               sidecar=sidecar)  # fmt: skip
+    assert sorted(computed) == sorted(set(range(len(tokens))) - marked)
+    for i in range(len(tokens)):
+        shift = 1000.0 if i in marked else 0.0
+        np.testing.assert_allclose(np.array(store.get(i)), np.array(reference.get(i)) + shift,
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+        np.testing.assert_array_equal(store.top(i)[0], reference.top(i)[0])
+        np.testing.assert_allclose(store.top(i)[1], reference.top(i)[1], atol=1e-3)
+    assert not any(sidecar.path_of(tokens[i]).exists() for i in marked)
+    assert other_taps.path_of(tokens[2]).exists()  # not this store's: left alone
+    progress = json.loads(next((tmp_path / "new").glob("features-*/progress.json")).read_text())
+    assert sorted(progress["seeded"]) == sorted(marked)
+    computed.clear()
+    FeatureStore.build(target, tokens, tmp_path / "new", "qwen3", max_rows=1, top_k=4,
+                       sidecar=sidecar)  # fmt: skip
+    assert computed == []  # a whole store is read, seeded or not
+
+
+def test_a_sidecar_refuses_rows_that_do_not_fit_its_tokens(tmp_path: Path):
+    sidecar = FeatureSidecar(tmp_path, "qwen3", LAYER_IDS, 4)
+    tokens = np.arange(5, dtype=np.int32)
+    with pytest.raises(ValueError, match="sidecar rows"):
+        sidecar.write(tokens, np.zeros((4, 8)), np.zeros((5, 4)), np.zeros((5, 4)))
+    sidecar.write(tokens, np.zeros((5, 8)), np.zeros((5, 4)), np.zeros((5, 4)))
+    assert sidecar.read(tokens, 8) is not None
+    assert sidecar.read(tokens, 16) is None  # another store's width: not used
 
 
 def test_another_corpus_gets_a_store_of_its_own(qwen3_target_dir: Path, tmp_path: Path):

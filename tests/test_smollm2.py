@@ -175,3 +175,40 @@ def test_flashbatch_serve_with_no_arguments_serves_smollm2(converted):
     finally:
         process.kill()
         process.wait()
+
+
+def test_data_generation_keeps_the_features_the_campaigns_pass_computes(converted, tmp_path):
+    """`datagen` with `features_dir` on the real target: each record's kept features and top-8
+    (from the forwards that generated it, 3 requests at once) match the campaign's feature
+    pass over the finished record, at the shipped drafter's taps."""
+    import numpy as np
+
+    from drafters.dflash.campaign import load_target
+    from drafters.dflash.checkpoint import read_config
+    from drafters.dflash.datagen import generate_mix
+    from drafters.dflash.features import FeatureSidecar, FeatureStore
+    from drafters.dflash.prompt_mix import Prompt
+
+    prompts = [
+        Prompt("chat", "Name three rivers in Europe.", chat=True),
+        Prompt("completion", "def fibonacci(n):\n", chat=False),
+        Prompt("prose", "Continue this text:\n\nThe harbour was quiet", chat=True),
+    ]
+    side = tmp_path / "sidecar"
+    out = tmp_path / "data.jsonl"
+    asyncio.run(generate_mix(DEFAULT_MODEL, prompts, out, max_tokens=8, concurrency=3,
+                             features_dir=side, drafter=SHIPPED_DRAFTER))  # fmt: skip
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    tokens = [np.array(r["tokens"], dtype=np.int32) for r in records]
+    taps = read_config(SHIPPED_DRAFTER).target_layer_ids
+    target, _ = load_target(DEFAULT_MODEL, taps, 0)
+    reference = FeatureStore.build(target, tokens, tmp_path / "ref", DEFAULT_MODEL, top_k=8)
+    sidecar = FeatureSidecar(side, DEFAULT_MODEL, taps, 8)
+    for i, seq in enumerate(tokens):
+        features, top_ids, top_logp = sidecar.read(seq, reference.width)
+        want = np.array(reference.get(i))[0]
+        want_ids, want_logp = reference.top(i)
+        np.testing.assert_allclose(features[:-1], want[:-1], rtol=1e-3, atol=1e-3)
+        same = top_ids[:-1, 0] == want_ids[:-1, 0]  # a near-tie may order two apart
+        assert same.mean() > 0.95
+        np.testing.assert_allclose(top_logp[:-1][same], want_logp[:-1][same], atol=1e-2)

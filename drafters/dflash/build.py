@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from drafters.dflash.campaign_state import DEFAULT_DRAFTER_DIR, sidecar_dir
 from drafters.dflash.corpus import (
     corpus_dir,
     export_new_part,
@@ -69,8 +70,15 @@ def take_in_corpus(work: Path, target: str) -> int:
 
 
 def stage_data(
-    work: Path, target: str, per_kind: int, concurrency: int, length_window: int = 256
+    work: Path,
+    target: str,
+    per_kind: int,
+    concurrency: int,
+    length_window: int = 256,
+    features_drafter: Path | None = None,
 ) -> dict[str, Any]:
+    """Generate records into the work file; with `features_drafter`, keep each record's
+    features (that drafter's taps) for the campaign's feature pass (`datagen`, `features_dir`)."""
     from drafters.dflash.datagen import DEFAULT_MAX_TOKENS, generate_mix
     from drafters.dflash.prompt_mix import build_prompts
     from drafters.dflash.train import read_jsonl_records
@@ -89,6 +97,8 @@ def stage_data(
                 max_tokens=DEFAULT_MAX_TOKENS,
                 concurrency=concurrency,
                 length_window=length_window,
+                features_dir=sidecar_dir(target) if features_drafter else None,
+                drafter=features_drafter,
             )  # fmt: skip
         )
     except KeyboardInterrupt:  # stopped by hand: every finished request is on file
@@ -310,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
         "--length-window", type=int, default=256,
         help="data generation: prompts a window, each window shortest first (0: in order)",
     )  # fmt: skip
+    parser.add_argument(
+        "--keep-features", nargs="?", type=Path, const=DEFAULT_DRAFTER_DIR, default=None,
+        metavar="DRAFTER",
+        help="data generation: keep each record's target features and top-8 for the campaign's "
+        f"feature pass, at DRAFTER's taps (default {DEFAULT_DRAFTER_DIR.name})",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=2000, help="total optimizer steps")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=8)
@@ -352,9 +368,8 @@ def _run_stages(args: argparse.Namespace, argv: list[str], parser: argparse.Argu
     work.mkdir(parents=True, exist_ok=True)
     for stage in stages:
         if stage == "data":
-            stats = stage_data(
-                work, args.target, args.per_kind, args.concurrency, args.length_window
-            )
+            stats = stage_data(work, args.target, args.per_kind, args.concurrency,
+                               args.length_window, args.keep_features)  # fmt: skip
         elif stage == "keep":
             stats = stage_keep(work, args.target)
         elif stage == "fit":

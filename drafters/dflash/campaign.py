@@ -74,6 +74,7 @@ from drafters.dflash.campaign_state import (
     DEFAULT_DRAFTER_DIR,
     DEFAULT_TARGET,
     RETUNABLE,
+    SIDECAR_DIR,
     STATE_FILE,
     Recipe,
     State,
@@ -83,10 +84,11 @@ from drafters.dflash.campaign_state import (
     log_entry,
     read_sittings,
     save_checkpoint,
+    sidecar_dir,
 )
 from drafters.dflash.checkpoint import read_config
 from drafters.dflash.corpus import corpus_dir, read_parts
-from drafters.dflash.features import FeatureStore
+from drafters.dflash.features import FeatureSidecar, FeatureStore
 from drafters.dflash.keep_gate import run_eval
 from drafters.dflash.levers import (
     greedy_chain_labels,
@@ -255,6 +257,13 @@ class Trainer:
             self.cache_root / "features",
             self.target_name,
             top_k=self.recipe.top_k,
+            # records whose features data generation kept (`datagen --features-dir`)
+            sidecar=FeatureSidecar(
+                self.cache_root / SIDECAR_DIR,
+                self.target_name,
+                self.target.layer_ids,
+                self.recipe.top_k,
+            ),
         )
 
     def blocks_of(
@@ -1058,6 +1067,9 @@ def main(argv: list[str] | None = None) -> int:
                 CACHE_ROOT / Path(args.target).name / "features",
                 args.target,
                 top_k=recipe.top_k,
+                sidecar=FeatureSidecar(
+                    sidecar_dir(args.target), args.target, target.layer_ids, recipe.top_k
+                ),
             )
         tokens = sum(len(seqs[i].tokens) for i in shard)
         print(

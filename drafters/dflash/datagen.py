@@ -7,6 +7,12 @@ requests in flight and the next run skips every prompt already done (by key).
 
 Records: ``{"key", "kind", "prompt", "chat", "prompt_tokens", "tokens"}`` with tokens = prompt +
 continuation, the layout `train.load_sequences` reads.
+
+With `features_dir`, each record's target features and top-k next-token log-probabilities are
+kept as it is generated (`features.FeatureSidecar`), from the very forwards that generated it:
+the engine serves DFlash (whose drafter sets the taps) with `keep_features`, and every request
+asks its prompt's and its tokens' top-k. The campaign's feature pass then copies them instead
+of running the target over the record a second time.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from drafters.dflash.features import FeatureSidecar
 from drafters.dflash.prompt_mix import Prompt
 from drafters.dflash.train import read_jsonl_records
 
@@ -66,10 +75,14 @@ async def generate_mix(
     max_prompt_tokens: int = 1536,
     temperature: float = 0.0,
     length_window: int = 256,
+    features_dir: str | Path | None = None,
+    drafter: str | Path | None = None,
+    top_k: int = 8,
 ) -> int:
     """Append the target's continuation of every prompt not yet in `out_path`; return how many.
     Prompts go in `length_window`s, each shortest first (`shortest_first_by_window`; 0 or
-    1: in order)."""
+    1: in order). With `features_dir` (and the `drafter` whose taps to keep), each record's
+    features and top-`top_k` go there too (see the module's docstring)."""
     from engine import AsyncEngine
     from engine.config import EngineConfig
     from engine.step.sampling import SamplingParams
@@ -81,14 +94,24 @@ async def generate_mix(
     log.info("%d prompts, %d done, %d to generate", len(prompts), len(done), len(todo))
     # Adaptive drafting by prompt lookup (no drafter exists yet): greedy output is lossless, so
     # the data is the same, and the editing kinds (mostly copies) generate several times faster.
+    keeping = features_dir is not None
+    if keeping and drafter is None:
+        raise ValueError("features_dir needs the drafter whose taps to keep")
     config = EngineConfig(
         target=target, max_num_seqs=concurrency, num_speculative_tokens=None,
-        draft_sources=["lookup"], max_waiting_requests=max(256, 2 * concurrency),
+        draft_sources=["dflash", "lookup"] if keeping else ["lookup"],
+        drafter=str(drafter) if keeping else None, keep_features=keeping,
+        max_waiting_requests=max(256, 2 * concurrency),
     )  # fmt: skip
     written = 0
     tokens_out = 0
     start = time.perf_counter()
     async with AsyncEngine(config) as engine:
+        keeper = None
+        if keeping:
+            sidecar = FeatureSidecar(Path(features_dir), target, engine.feature_taps, top_k)
+            keeper = FeatureKeeper(sidecar)
+            engine.step_hooks.append(keeper.on_step)
 
         def ids_of(prompt: Prompt) -> list[int]:
             return encode(engine.tokenizer, prompt)[-max_prompt_tokens:]
@@ -101,10 +124,19 @@ async def generate_mix(
                 nonlocal written, tokens_out
                 for prompt, ids in source:
                     limit = max_tokens if isinstance(max_tokens, int) else max_tokens[prompt.kind]
-                    params = SamplingParams(max_tokens=limit, temperature=temperature)
+                    wanted = top_k if keeper is not None else None
+                    params = SamplingParams(max_tokens=limit, temperature=temperature,
+                                            logprobs=wanted, prompt_logprobs=wanted)  # fmt: skip
+                    request_id = f"datagen-{prompt.key}"
                     generated: list[int] = []
-                    async for delta in engine.generate(ids, params):
+                    prompt_tops: list = []
+                    tops: list = []
+                    async for delta in engine.generate(ids, params, request_id):
                         generated += delta.token_ids
+                        prompt_tops += delta.prompt_logprobs or []
+                        tops += delta.logprobs or []
+                    if keeper is not None:
+                        await keeper.keep(request_id, ids + generated, prompt_tops + tops)
                     record = {
                         "key": prompt.key, "kind": prompt.kind, "prompt": prompt.text,
                         "chat": prompt.chat, "prompt_tokens": len(ids), "tokens": ids + generated,
@@ -120,6 +152,66 @@ async def generate_mix(
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
     return written
+
+
+class FeatureKeeper:
+    """Each finished request's released features (a step hook) and its log-probabilities,
+    joined into one sidecar file."""
+
+    def __init__(self, sidecar: FeatureSidecar) -> None:
+        self.sidecar = sidecar
+        self._released: dict[str, np.ndarray] = {}
+        self._arrived: dict[str, asyncio.Event] = {}
+        self.kept = self.missed = 0
+
+    def _event(self, request_id: str) -> asyncio.Event:
+        return self._arrived.setdefault(request_id, asyncio.Event())
+
+    def on_step(self, result) -> None:  # noqa: ANN001 (scheduler.plan.StepResult)
+        for request_id, features in result.released_features.items():
+            self._released[request_id] = features
+            self._event(request_id).set()
+
+    async def keep(self, request_id: str, tokens: list[int], logprobs: list) -> None:
+        """Write the sequence's sidecar once its row has left the batch (the step after its
+        last token). `logprobs`: its prompt's entries (the first None), then its tokens'."""
+        await self._event(request_id).wait()
+        del self._arrived[request_id]
+        features = self._released.pop(request_id)
+        rows = sidecar_rows(tokens, features, logprobs, self.sidecar.top_k)
+        if rows is None:
+            log.warning("%s: %d feature rows and %d log-prob entries for %d tokens; not kept",
+                        request_id, len(features), len(logprobs), len(tokens))  # fmt: skip
+            self.missed += 1
+            return
+        self.sidecar.write(np.asarray(tokens), *rows)
+        self.kept += 1
+
+
+def sidecar_rows(
+    tokens: list[int], features: np.ndarray, logprobs: list, top_k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """A record's store rows from what the engine handed out: the features of the positions
+    its row had in the target's cache (every position but the last, which never went through
+    the target; more where a draft accepted past the request's end) and, per token, the
+    log-probabilities of what could come at it (the prompt's first: None). Row p of a store
+    predicts token p + 1, so the top-k rows are the entries of tokens 1..S-1; the last row
+    (predicting past the end, read by no anchor) is zeros, and so are the last position's
+    features where the cache never held it. None where the counts do not fit."""
+    n = len(tokens)
+    if features.shape[0] < n - 1 or len(logprobs) != n or logprobs[0] is not None:
+        return None
+    top_ids = np.zeros((n, top_k), dtype=np.int32)
+    top_logp = np.zeros((n, top_k), dtype=np.float32)
+    for p, entry in enumerate(logprobs[1:]):
+        if entry is None or len(entry.top) != top_k:
+            return None
+        top_ids[p] = [token for token, _ in entry.top]
+        top_logp[p] = [value for _, value in entry.top]
+    padded = np.zeros((n, features.shape[1]), dtype=np.float32)
+    held = min(n, features.shape[0])
+    padded[:held] = features[:held]
+    return padded, top_ids, top_logp
 
 
 DEFAULT_MAX_TOKENS = {"completion": 128, "editing": 256, "chat": 192, "prose": 128}

@@ -14,6 +14,11 @@ kernels and the top-k below took its block-wise path: 1.74x faster since), so th
 A store is keyed by the target's tapped layers and the exact token sequences, so a grown
 corpus or another drafter layout gets a store of its own.
 
+A `FeatureSidecar` holds sequences whose features were made elsewhere: data generation with
+the engine's `keep_features` keeps each record's features and top-k as it is generated (the
+same forwards that generated it), and `FeatureStore.build` copies those in instead of
+running the target over them again.
+
 With `top_k`, the same forward also keeps the target's `top_k` next-token log-probabilities per
 position (int32 ids + float16 log-probs, 6 bytes a candidate): distillation and candidate-set
 losses train on them, and the LM head they cost is ~20% of the forward, not a second pass.
@@ -30,6 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from engine.step.logprobs import top_k_ids
 from engine.step.target import TargetAdapter
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,55 @@ def length_batches(lengths: Sequence[int], batch_tokens: int, max_rows: int) -> 
     if current:
         groups.append(current)
     return groups
+
+
+class FeatureSidecar:
+    """Features [S, F] and top-k next-token log-probabilities [S, k] of single sequences, made
+    outside a store's own pass, one `.npz` per sequence under `directory`, named by a digest of
+    the target, its taps, k and the sequence's tokens (so another layout never reads them)."""
+
+    def __init__(self, directory: Path, target: str | Path, layer_ids: Sequence[int],
+                 top_k: int) -> None:  # fmt: skip
+        self.directory = Path(directory)
+        self.target_name = Path(str(target)).name  # a registry name, or a model's folder
+        self.layer_ids = list(layer_ids)
+        self.top_k = top_k
+
+    def path_of(self, tokens: np.ndarray) -> Path:
+        name = store_key([tokens], self.layer_ids, f"{self.target_name}|top{self.top_k}")
+        return self.directory / f"{name}.npz"
+
+    def write(self, tokens: np.ndarray, features: np.ndarray, top_ids: np.ndarray,
+              top_logp: np.ndarray) -> Path:  # fmt: skip
+        """Keep one sequence's rows (written whole, then renamed: a reader never sees half)."""
+        n = len(tokens)
+        shape = (n, self.top_k)
+        if features.shape[0] != n or top_ids.shape != shape or top_logp.shape != shape:
+            raise ValueError(f"sidecar rows {features.shape}, {top_ids.shape}, "
+                             f"{top_logp.shape} for {n} tokens at top {self.top_k}")  # fmt: skip
+        path = self.path_of(tokens)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial.npz")
+        np.savez(partial, features=features.astype(np.float32), top_ids=top_ids.astype(np.int32),
+                 top_logp=top_logp.astype(np.float16))  # fmt: skip
+        partial.replace(path)
+        return path
+
+    def read(self, tokens: np.ndarray, width: int) -> tuple[np.ndarray, ...] | None:
+        """(features, top ids, top log-probs) of `tokens`, or None where none is kept (or what
+        is kept does not have the store's shapes)."""
+        path = self.path_of(tokens)
+        try:
+            with np.load(path) as kept:
+                rows = (kept["features"], kept["top_ids"], kept["top_logp"])
+        except (OSError, ValueError, KeyError):
+            return None
+        n = len(tokens)
+        if rows[0].shape != (n, width) or rows[1].shape != (n, self.top_k):
+            log.warning("sidecar %s has rows %s for %d tokens of width %d: not used",
+                        path, rows[0].shape, n, width)  # fmt: skip
+            return None
+        return rows
 
 
 class FeatureStore:
@@ -112,16 +167,18 @@ class FeatureStore:
         batch_tokens: int = 2048,
         max_rows: int = 8,
         top_k: int = 0,
+        sidecar: FeatureSidecar | None = None,
     ) -> FeatureStore:
         """The store of these sequences under `root`, computing what is not on disk yet
-        (with `top_k`, also the target's top-k next-token log-probabilities)."""
+        (with `top_k`, also the target's top-k next-token log-probabilities). Sequences the
+        `sidecar` holds are copied from it, not computed, and its files removed once the
+        store is whole."""
         key = store_key(tokens, target.layer_ids, target_name + (f"|top{top_k}" if top_k else ""))
         directory = Path(root) / f"features-{key}"
         directory.mkdir(parents=True, exist_ok=True)
         lengths = [len(t) for t in tokens]
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         width = target.hidden_size * len(target.layer_ids)
-        batches = length_batches(lengths, batch_tokens, max_rows)
         index_path, progress_path = directory / INDEX_FILE, directory / PROGRESS_FILE
         index = {"sequences": len(tokens), "tokens": int(offsets[-1]), "width": width,
                  "layer_ids": list(target.layer_ids), "target": target_name}  # fmt: skip
@@ -141,7 +198,19 @@ class FeatureStore:
                     np.memmap(directory / name, dtype=dtype, mode="w+",
                               shape=(int(offsets[-1]), top_k)).flush()  # fmt: skip
             index_path.write_text(json.dumps(index, indent=1) + "\n")
-        done = json.loads(progress_path.read_text())["batches"] if progress_path.exists() else 0
+        if progress_path.exists():
+            progress = json.loads(progress_path.read_text())
+        else:  # a new store: first what the sidecar holds (their count, before any batch)
+            seeded = _seed(directory, tokens, offsets, width, top_k, sidecar) if sidecar else []
+            progress = {"batches": 0, "seeded": seeded}
+            if seeded:
+                progress_path.write_text(json.dumps(progress) + "\n")
+        done, seeded = progress["batches"], progress.get("seeded", [])
+        # The rest in batches of similar length (all of them when nothing was seeded: the
+        # order older stores' progress counts).
+        rest = sorted(set(range(len(tokens))) - set(seeded))
+        groups = length_batches([lengths[i] for i in rest], batch_tokens, max_rows)
+        batches = [[rest[j] for j in group] for group in groups]
         if done < len(batches):
             log.info("target features: %d of %d batches on disk in %s; computing the rest",
                      done, len(batches), directory)  # fmt: skip
@@ -163,11 +232,47 @@ class FeatureStore:
                     data.flush()  # the data before the count: a crash redoes, never skips
                     for array in tops or ():
                         array.flush()
-                    progress_path.write_text(json.dumps({"batches": b + 1}) + "\n")
+                    progress = {"batches": b + 1, "seeded": seeded}
+                    progress_path.write_text(json.dumps(progress) + "\n")
                 if (b + 1) % 64 == 0:
                     log.info("target features: batch %d of %d", b + 1, len(batches))
             del data, tops
+        if sidecar is not None:  # the store is whole: what it copied is kept here now
+            for i in seeded:
+                sidecar.path_of(tokens[i]).unlink(missing_ok=True)
         return cls(directory, offsets, width, top_k)
+
+
+def _seed(directory: Path, tokens: Sequence[np.ndarray], offsets: np.ndarray, width: int,
+          top_k: int, sidecar: FeatureSidecar) -> list[int]:  # fmt: skip
+    """Copy every sequence the sidecar holds into a new store's files; their indices."""
+    if top_k and top_k != sidecar.top_k:
+        return []
+    total = int(offsets[-1])
+    data = np.memmap(directory / DATA_FILE, dtype=np.float32, mode="r+", shape=(total, width))
+    tops = None
+    if top_k:
+        tops = (np.memmap(directory / TOPK_IDS_FILE, dtype=np.int32, mode="r+",
+                          shape=(total, top_k)),
+                np.memmap(directory / TOPK_LOGP_FILE, dtype=np.float16, mode="r+",
+                          shape=(total, top_k)))  # fmt: skip
+    seeded = []
+    for i, seq in enumerate(tokens):
+        rows = sidecar.read(np.asarray(seq), width)
+        if rows is None:
+            continue
+        start, end = int(offsets[i]), int(offsets[i + 1])
+        data[start:end] = rows[0]
+        if tops is not None:
+            tops[0][start:end], tops[1][start:end] = rows[1], rows[2]
+        seeded.append(i)
+    data.flush()
+    for array in tops or ():
+        array.flush()
+    if seeded:
+        log.info("target features: %d of %d sequences from the sidecar %s", len(seeded),
+                 len(tokens), sidecar.directory)  # fmt: skip
+    return seeded
 
 
 def _read_index(path: Path) -> dict | None:
@@ -206,7 +311,7 @@ def top_k_logprobs(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k largest next-token log-probabilities of logits [..., V], descending: ids (int32)
     and log-probs (float32, normalised over all V)."""
     logits = logits.astype(mx.float32)
-    ids = top_k_ids(logits, k)
+    ids = top_k_ids(logits, k)  # engine.step.logprobs: block-wise, not vocabulary-wide
     values = mx.take_along_axis(logits, ids, axis=-1) - mx.logsumexp(logits, axis=-1, keepdims=True)
     order = mx.argsort(-values, axis=-1)
     ids, values = (
@@ -214,21 +319,3 @@ def top_k_logprobs(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
         mx.take_along_axis(values, order, axis=-1),
     )
     return np.asarray(ids.astype(mx.int32)), np.asarray(values)
-
-
-def top_k_ids(x: mx.array, k: int, width: int = 64) -> mx.array:
-    """Indices of the k largest entries of x [..., V] along the last axis, in no order (of
-    equal entries, any). The k largest lie in the k blocks of `width` entries whose maxima are
-    largest, so only those k * width entries are partitioned: a vocabulary-wide partition is
-    about a third of a SmolLM2 feature pass on the CPU, a max per block about a fiftieth of it."""
-    lead, vocab = x.shape[:-1], x.shape[-1]
-    if vocab <= k * width:
-        return mx.argpartition(-x, k - 1, axis=-1)[..., :k]
-    if vocab % width:  # pad the last block with -inf (never chosen over a real entry)
-        pad = mx.full((*lead, width - vocab % width), -mx.inf, dtype=x.dtype)
-        x = mx.concatenate([x, pad], axis=-1)
-    block_max = x.reshape(*lead, -1, width).max(axis=-1)
-    blocks = mx.argpartition(-block_max, k - 1, axis=-1)[..., :k]
-    candidates = (blocks[..., None] * width + mx.arange(width)).reshape(*lead, k * width)
-    chosen = mx.argpartition(-mx.take_along_axis(x, candidates, axis=-1), k - 1, axis=-1)
-    return mx.take_along_axis(candidates, chosen[..., :k], axis=-1)

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from drafters.base import Drafter, DraftSession
 from drafters.lookup import LookupDrafter, LookupSession
@@ -76,8 +77,9 @@ class _RowState:
     lookup_match: int = 0  # longest earlier match of the suffix ending at the anchor
     prefill_cache: list[RaggedKVCache] | None = None
     prefill_features: list[mx.array] = field(default_factory=list)
-    # With prefix caching and a drafter: the target features of the row's cache positions
-    # (with its KV, what a finished row leaves in the prefix cache for the drafter).
+    # With prefix caching (or `keep_features`) and a drafter: the target features of the row's
+    # cache positions (with its KV, what a finished row leaves in the prefix cache for the
+    # drafter; what `keep_features` hands out when the row leaves).
     # (Decode steps' rows are journalled first: `ModelRunner._feature_journal`.)
     feature_log: list[mx.array] = field(default_factory=list)
 
@@ -231,6 +233,11 @@ class ModelRunner:
         # Prefix cache entries by id (the scheduler's PrefixIndex decides what is kept).
         self.prefix_entries: dict[int, PrefixEntry] = {}
         self.prefix_caching = False  # the engine turns it on with a budget
+        # Hand each leaving row's tapped features out (`StepResult.released_features`): a
+        # drafter's training data is then made as it is generated, with no feature pass of
+        # its own (`drafters.dflash.datagen`). The engine turns it on (`keep_features`).
+        self.keep_features = False
+        self._released: dict[str, mx.array] = {}  # this step's, computed with its sync
         self._to_eval: list[mx.array] = []  # new entries and gathered logs, for the sync
         # Prefix caching with a drafter: decode steps' features, journalled for the rows' logs.
         self._feature_journal: FeatureJournal[_RowState] = FeatureJournal()
@@ -315,6 +322,9 @@ class ModelRunner:
         computed = time.perf_counter()
 
         result = StepResult(prefill_tokens=prefill_tokens, discarded_seconds=discarded_seconds)
+        if self._released:
+            released, self._released = self._released, {}
+            result.released_features = {r: np.asarray(f) for r, f in released.items()}
         if decode is not None:
             self._commit(decode, result, plan.match_lookup)
         result.first_tokens = {r: int(token.item()) for r, token in first_tokens.items()}
@@ -816,7 +826,7 @@ class ModelRunner:
                 replay(layer_cache, keep)
         # Features of the positions now in the cache, journalled whole, one block per row
         # (`engine.step.feature_journal`): for the rows' DFlash sessions and the prefix cache's log.
-        logging = self.prefix_caching and self.drafter is not None and decode.features is not None
+        logging = self._logs_features and decode.features is not None
         drafter_blocks, log_blocks = [], []
         for i, request_id in enumerate(self.rows):
             state = self.states[request_id]
@@ -1002,7 +1012,7 @@ class ModelRunner:
             features = None
             if self.drafter is not None and state.prefill_features:
                 features = mx.concatenate(state.prefill_features, axis=0)
-                if self.prefix_caching:
+                if self._logs_features:
                     state.feature_log = [features]
             # A session the request can never use is not opened: it would only cost the
             # drafter's catch-up writes.
@@ -1026,13 +1036,31 @@ class ModelRunner:
         self.lookup.commit(state.lookup, None, state.prompt_ids)
         state.lookup_match = self.lookup.match_length(state.lookup, state.anchor)
 
+    @property
+    def _logs_features(self) -> bool:
+        """Whether every row keeps the features of its cache positions (`_RowState.feature_log`)."""
+        return (self.prefix_caching or self.keep_features) and self.drafter is not None
+
+    def _release_features(self, state: _RowState) -> None:
+        """With `keep_features`: a leaving row's features [n, F] of its n cache positions (its
+        prompt and every committed token but the last), for this step's result."""
+        if state in self._feature_journal.rows:
+            self._gather_feature_log()
+        if state.feature_log:
+            features = mx.concatenate(state.feature_log, axis=0).astype(mx.float32)
+            self._released[state.request_id] = features
+            self._to_eval.append(features)
+
     def _remove(self, request_ids: list[str]) -> None:
         """Finished or aborted requests leave: per layer, one row copied into each hole."""
         leaving = set()
         for request_id in request_ids:
-            state = self.states.pop(request_id, None)
+            state = self.states.get(request_id)
             if state is None:
                 continue
+            if self.keep_features and self._logs_features:
+                self._release_features(state)
+            del self.states[request_id]
             leaving.add(request_id)
             if state.session is not None:
                 self.drafter.close(state.session)

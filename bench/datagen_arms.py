@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORK_DATA = Path.home() / ".cache/flashbatch/drafter-build/smollm2-135m-instruct/data.jsonl"
 START = re.compile(r"^(\S+ \S+),\d+ INFO drafters\.dflash\.datagen: \d+ prompts, (\d+) done")
 LINE = re.compile(r"^(\S+ \S+),\d+ INFO drafters\.dflash\.datagen: (\d+)/\d+ written, (\d+) tokens")
-ARMS = {"plain": [], "keeping": ["--keep-features"]}
+ARMS = {"keeping": ["--keep-features"], "plain": []}
 
 
 def run_arm(name: str, seconds: int, log: Path, target: str) -> None:

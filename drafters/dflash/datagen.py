@@ -125,8 +125,11 @@ async def generate_mix(
                 for prompt, ids in source:
                     limit = max_tokens if isinstance(max_tokens, int) else max_tokens[prompt.kind]
                     wanted = top_k if keeper is not None else None
+                    # Lookup drafts only, as without kept features: DFlash is served for its
+                    # taps, and a request that may not draft from it opens no session.
                     params = SamplingParams(max_tokens=limit, temperature=temperature,
-                                            logprobs=wanted, prompt_logprobs=wanted)  # fmt: skip
+                                            logprobs=wanted, prompt_logprobs=wanted,
+                                            draft_sources=["lookup"])  # fmt: skip
                     request_id = f"datagen-{prompt.key}"
                     generated: list[int] = []
                     prompt_tops: list = []

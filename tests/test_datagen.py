@@ -136,6 +136,20 @@ def test_drafter_build_stages_end_to_end_on_the_bundled_target(tmp_path):
     assert all(0.0 < r["vocab_coverage"] <= 1.0 for r in evaluated.values())
 
 
+def test_build_data_with_keep_features_keeps_one_sidecar_a_record(tmp_path, monkeypatch):
+    """`build --stages data --keep-features DRAFTER`: every record's features are kept in the
+    campaign's sidecar folder, at DRAFTER's taps."""
+    from drafters.dflash import build
+
+    _, drafter_dir = bundled_paths()
+    monkeypatch.setattr(build, "sidecar_dir", lambda target: tmp_path / "side")
+    build.main(["--target", "bundled", "--work-dir", str(tmp_path / "work"), "--per-kind", "1",
+                "--concurrency", "4", "--stages", "data",
+                "--keep-features", str(drafter_dir)])  # fmt: skip
+    assert build.data_facts(tmp_path / "work")["records"] == 4
+    assert len(list((tmp_path / "side").glob("*.npz"))) == 4
+
+
 def test_a_fit_stopped_by_hand_is_recorded_as_a_sitting(tmp_path, monkeypatch):
     """Ctrl-C during `fit` keeps the last checkpoint and still records the sitting (with the
     step it reached), so the card lists every sitting's command."""
@@ -233,8 +247,9 @@ def test_prompts_go_window_by_window_shortest_first_and_all_go_once():
 def test_records_keep_the_features_and_top_k_the_feature_pass_would_compute(tmp_path):
     """Data generation with `features_dir` keeps, per record, what the campaign's feature pass
     computes for it: the drafter's tapped features of every position but the last, and the
-    target's top-k next-token log-probabilities (from the forwards that generated it). A store
-    over the records then copies them all and runs the target over none."""
+    target's top-k next-token log-probabilities (from the forwards that generated it), for the
+    record cut to `max_len` as the campaign cuts it. A store over the cut records then copies
+    them all and runs the target over none."""
     import numpy as np
     import pytest
 
@@ -252,22 +267,27 @@ def test_records_keep_the_features_and_top_k_the_feature_pass_would_compute(tmp_
     side = tmp_path / "sidecar"
     written = asyncio.run(datagen.generate_mix(
         str(target_dir), prompts, tmp_path / "data.jsonl", max_tokens=12, concurrency=3,
-        features_dir=side, drafter=drafter_dir, top_k=8,
+        features_dir=side, drafter=drafter_dir, top_k=8, max_len=40,
     ))  # fmt: skip
     assert written == len(prompts)
     records = [json.loads(line) for line in (tmp_path / "data.jsonl").read_text().splitlines()]
-    tokens = [np.array(r["tokens"], dtype=np.int32) for r in records]
+    tokens = [np.array(r["tokens"][:40], dtype=np.int32) for r in records]
+    cut = [len(r["tokens"]) > 40 for r in records]
+    assert any(cut) and not all(cut)
     target = load_pair(target_dir, drafter_dir).target  # tapped as the drafter reads
     sidecar = FeatureSidecar(side, str(target_dir), target.layer_ids, 8)
     reference = FeatureStore.build(target, tokens, tmp_path / "ref", str(target_dir), top_k=8)
     for i, seq in enumerate(tokens):
         features, top_ids, top_logp = sidecar.read(seq, reference.width)
         want_ids, want_logp = reference.top(i)
-        np.testing.assert_allclose(features[:-1], np.array(reference.get(i))[0, :-1],
+        # A cut record's last rows are real (its whole record went on); an uncut one's last
+        # position never went through the target, and its top-k would predict past the end.
+        rows = slice(None) if cut[i] else slice(None, -1)
+        np.testing.assert_allclose(features[rows], np.array(reference.get(i))[0, rows],
                                    rtol=1e-4, atol=1e-4)  # fmt: skip
-        np.testing.assert_array_equal(top_ids[:-1, 0], want_ids[:-1, 0])
-        np.testing.assert_allclose(top_logp[:-1], want_logp[:-1], atol=2e-3)
-        assert not top_ids[-1].any()  # predicts past the end: read by nothing
+        np.testing.assert_array_equal(top_ids[rows, 0], want_ids[rows, 0])
+        np.testing.assert_allclose(top_logp[rows], want_logp[rows], atol=2e-3)
+        assert cut[i] or not top_ids[-1].any()
 
     def never(*args):
         raise AssertionError("a batch computed although the sidecar held every sequence")

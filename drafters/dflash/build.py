@@ -35,7 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from drafters.dflash.campaign_state import DEFAULT_DRAFTER_DIR, sidecar_dir
+from drafters.dflash.campaign_state import (
+    DEFAULT_DRAFTER_DIR,
+    Recipe,
+    has_state,
+    read_state,
+    sidecar_dir,
+)
 from drafters.dflash.corpus import (
     corpus_dir,
     export_new_part,
@@ -83,6 +89,10 @@ def stage_data(
     from drafters.dflash.prompt_mix import build_prompts
     from drafters.dflash.train import read_jsonl_records
 
+    # The campaign's recipe (its data cut and top-k), where the drafter has a state.
+    recipe = Recipe()
+    if features_drafter is not None and has_state(features_drafter):
+        recipe = read_state(features_drafter).recipe
     started = time.perf_counter()
     imported = take_in_corpus(work, target)
     before = len(read_jsonl_records(work / "data.jsonl"))
@@ -99,6 +109,8 @@ def stage_data(
                 length_window=length_window,
                 features_dir=sidecar_dir(target) if features_drafter else None,
                 drafter=features_drafter,
+                top_k=recipe.top_k,
+                max_len=recipe.max_len,  # the campaign's cut of every record
             )  # fmt: skip
         )
     except KeyboardInterrupt:  # stopped by hand: every finished request is on file

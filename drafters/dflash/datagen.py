@@ -78,11 +78,14 @@ async def generate_mix(
     features_dir: str | Path | None = None,
     drafter: str | Path | None = None,
     top_k: int = 8,
+    max_len: int | None = None,
 ) -> int:
     """Append the target's continuation of every prompt not yet in `out_path`; return how many.
     Prompts go in `length_window`s, each shortest first (`shortest_first_by_window`; 0 or
     1: in order). With `features_dir` (and the `drafter` whose taps to keep), each record's
-    features and top-`top_k` go there too (see the module's docstring)."""
+    features and top-`top_k` go there too (see the module's docstring), for its first
+    `max_len` tokens where given (the campaign trains on records cut so: their features are
+    those of the whole record's first positions, the target being causal)."""
     from engine import AsyncEngine
     from engine.config import EngineConfig
     from engine.step.sampling import SamplingParams
@@ -110,7 +113,7 @@ async def generate_mix(
         keeper = None
         if keeping:
             sidecar = FeatureSidecar(Path(features_dir), target, engine.feature_taps, top_k)
-            keeper = FeatureKeeper(sidecar)
+            keeper = FeatureKeeper(sidecar, max_len)
             engine.step_hooks.append(keeper.on_step)
 
         def ids_of(prompt: Prompt) -> list[int]:
@@ -161,8 +164,9 @@ class FeatureKeeper:
     """Each finished request's released features (a step hook) and its log-probabilities,
     joined into one sidecar file."""
 
-    def __init__(self, sidecar: FeatureSidecar) -> None:
+    def __init__(self, sidecar: FeatureSidecar, max_len: int | None = None) -> None:
         self.sidecar = sidecar
+        self.max_len = max_len  # rows kept for a record's first max_len tokens (None: all)
         self._released: dict[str, np.ndarray] = {}
         self._arrived: dict[str, asyncio.Event] = {}
         self.kept = self.missed = 0
@@ -187,7 +191,8 @@ class FeatureKeeper:
                         request_id, len(features), len(logprobs), len(tokens))  # fmt: skip
             self.missed += 1
             return
-        self.sidecar.write(np.asarray(tokens), *rows)
+        cut = slice(None, self.max_len)
+        self.sidecar.write(np.asarray(tokens[cut]), *(r[cut] for r in rows))
         self.kept += 1
 
 

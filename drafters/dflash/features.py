@@ -214,15 +214,7 @@ class FeatureStore:
         if done < len(batches):
             log.info("target features: %d of %d batches on disk in %s; computing the rest",
                      done, len(batches), directory)  # fmt: skip
-            total = int(offsets[-1])
-            data = np.memmap(directory / DATA_FILE, dtype=np.float32, mode="r+",
-                             shape=(total, width))  # fmt: skip
-            tops = None
-            if top_k:
-                tops = (np.memmap(directory / TOPK_IDS_FILE, dtype=np.int32, mode="r+",
-                                  shape=(total, top_k)),
-                        np.memmap(directory / TOPK_LOGP_FILE, dtype=np.float16, mode="r+",
-                                  shape=(total, top_k)))  # fmt: skip
+            data, tops = _open_rows(directory, int(offsets[-1]), width, top_k)
             for b in range(done, len(batches)):
                 if tops is None:
                     _write_batch(target, tokens, batches[b], offsets, data)
@@ -243,12 +235,10 @@ class FeatureStore:
         return cls(directory, offsets, width, top_k)
 
 
-def _seed(directory: Path, tokens: Sequence[np.ndarray], offsets: np.ndarray, width: int,
-          top_k: int, sidecar: FeatureSidecar) -> list[int]:  # fmt: skip
-    """Copy every sequence the sidecar holds into a new store's files; their indices."""
-    if top_k and top_k != sidecar.top_k:
-        return []
-    total = int(offsets[-1])
+def _open_rows(
+    directory: Path, total: int, width: int, top_k: int
+) -> tuple[np.memmap, tuple[np.memmap, np.memmap] | None]:
+    """A store's files opened for writing: features, and (with top_k) top ids and log-probs."""
     data = np.memmap(directory / DATA_FILE, dtype=np.float32, mode="r+", shape=(total, width))
     tops = None
     if top_k:
@@ -256,6 +246,15 @@ def _seed(directory: Path, tokens: Sequence[np.ndarray], offsets: np.ndarray, wi
                           shape=(total, top_k)),
                 np.memmap(directory / TOPK_LOGP_FILE, dtype=np.float16, mode="r+",
                           shape=(total, top_k)))  # fmt: skip
+    return data, tops
+
+
+def _seed(directory: Path, tokens: Sequence[np.ndarray], offsets: np.ndarray, width: int,
+          top_k: int, sidecar: FeatureSidecar) -> list[int]:  # fmt: skip
+    """Copy every sequence the sidecar holds into a new store's files; their indices."""
+    if top_k and top_k != sidecar.top_k:
+        return []
+    data, tops = _open_rows(directory, int(offsets[-1]), width, top_k)
     seeded = []
     for i, seq in enumerate(tokens):
         rows = sidecar.read(np.asarray(seq), width)

@@ -24,6 +24,16 @@ def test_fast_exp_has_float32_precision_and_underflows_to_zero():
     assert all(0.0 <= t < 1e-37 for t in tiny)
 
 
+@pytest.mark.parametrize("shape", [(3, 1000), (2, 7, 49152), (300, 4096)])
+def test_logsumexp_equals_mlx_in_one_piece_and_in_blocks_of_rows(shape):
+    """Small inputs in one piece, large ones in blocks of rows (a padded last block too)."""
+    x = mx.random.normal(shape, key=mx.random.key(len(shape))) * 8.0
+    x[..., 0] = 90.0  # exp would overflow without the max taken out
+    got = cpu_kernels.logsumexp(x)
+    assert got.shape == (*shape[:-1], 1)
+    assert mx.allclose(got, mx.logsumexp(x, axis=-1, keepdims=True), rtol=1e-6, atol=1e-5)
+
+
 def test_swiglu_equals_silu_times_x():
     gate, x = mx.random.normal((4, 7, 300)) * 6, mx.random.normal((4, 7, 300))
     expected = nn.silu(gate) * x

@@ -35,7 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.step.logprobs import top_k_ids
+from engine.step.logprobs import log_normaliser, top_k_ids
 from engine.step.target import TargetAdapter
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,7 @@ def top_k_logprobs(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
     and log-probs (float32, normalised over all V)."""
     logits = logits.astype(mx.float32)
     ids = top_k_ids(logits, k)  # engine.step.logprobs: block-wise, not vocabulary-wide
-    values = mx.take_along_axis(logits, ids, axis=-1) - mx.logsumexp(logits, axis=-1, keepdims=True)
+    values = mx.take_along_axis(logits, ids, axis=-1) - log_normaliser(logits)
     order = mx.argsort(-values, axis=-1)
     ids, values = (
         mx.take_along_axis(ids, order, axis=-1),

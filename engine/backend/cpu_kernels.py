@@ -14,6 +14,8 @@ at 110 GFLOP/s (OpenBLAS). Here:
   blocks of queries that keep the scores cache-sized and skip the keys a causal block cannot
   see (half the work of a whole prompt).
 - `swiglu`: ``silu(g) * x`` as ``g * x / (1 + fast_exp(-g))``.
+- `logsumexp`: a log-softmax's normaliser over a vocabulary (logprobs, the campaign's feature
+  pass: 49,152 exps a position on SmolLM2, about 0.65 ms of MLX's).
 
 Outputs equal MLX's to float32 rounding (tests/test_cpu_kernels.py). On Metal and CUDA the
 fused kernels are fast, so `wanted` is only true on the CPU backend.
@@ -58,6 +60,25 @@ def fast_exp(x: mx.array) -> mx.array:
     for c in reversed(_POLY[:7]):
         p = p * f + c
     return p * ((n.astype(mx.int32) + 127) << 23).view(mx.float32)
+
+
+@mx.compile
+def _logsumexp(x: mx.array) -> mx.array:
+    peak = x.max(axis=-1, keepdims=True)
+    return peak + mx.log(fast_exp(x - peak).sum(axis=-1, keepdims=True))
+
+
+def logsumexp(x: mx.array) -> mx.array:
+    """log(sum(exp(x))) over the last axis, kept, for float32 x with a finite entry in every
+    row (logits), on `fast_exp`, in blocks of rows of about `_BLOCK_SCORES` entries: their
+    temporaries stay in cache (over 1,024 SmolLM2 positions, 2.3x MLX's own; whole, 1.0x)."""
+    lead, width = x.shape[:-1], x.shape[-1]
+    rows, step = math.prod(lead), max(1, _BLOCK_SCORES // width)
+    if rows <= step:
+        return _logsumexp(x)
+    flat = x.reshape(rows, width)
+    parts = [_logsumexp(flat[i : i + step]) for i in range(0, rows, step)]
+    return mx.concatenate(parts).reshape(*lead, 1)
 
 
 @mx.compile

@@ -127,3 +127,56 @@ def test_prompt_logprobs_over_chunked_and_batched_prefills(pair):
             assert abs(entry.logprob - reference[j - 1, prompt[j]].item()) < TOLERANCE, j
             for token, value in entry.top:
                 assert abs(value - reference[j - 1, token].item()) < TOLERANCE
+
+
+def test_prompt_logprobs_of_chunks_riding_beside_decoding_rows(pair, monkeypatch):
+    """A prompt-logprobs request joining a batch that decodes: its chunks ride in the rows'
+    packed forward (the head on every one of their positions), and its entries still equal
+    mlx-lm's forward; the decoding request's output is plain greedy decoding's."""
+    from engine.step import runner as runner_module
+
+    rode: list[int] = []
+    real_done = runner_module.ModelRunner._segment_done
+
+    def spying(self, segment, first_tokens):
+        if segment.all_logits is not None:
+            rode.append(segment.chunk.end - segment.chunk.start)
+        real_done(self, segment, first_tokens)
+
+    monkeypatch.setattr(runner_module.ModelRunner, "_segment_done", spying)
+    long_prompt = list(pair.tokenizer.encode(load_workloads()["completion"][0]))
+    other = list(pair.tokenizer.encode(load_workloads()["prose"][0]))
+
+    async def run():
+        config = EngineConfig(target=str(TARGET), max_num_seqs=4, prefill_chunk_tokens=64,
+                              num_speculative_tokens=0)  # fmt: skip
+        async with AsyncEngine(config) as engine:
+            decoding = SamplingParams(max_tokens=48, ignore_eos=True)
+            stream = engine.generate(other, decoding)
+            tokens = list((await anext(stream)).token_ids)  # decoding now
+            params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+            outs = [out async for out in engine.generate(long_prompt, params)]
+            async for out in stream:
+                tokens += out.token_ids
+            return outs[0].prompt_logprobs, tokens
+
+    entries, tokens = asyncio.run(run())
+    assert rode  # at least one chunk rode (one computed beside a lookahead goes apart)
+    logits = pair.target.model(mx.array([long_prompt]))[0].astype(mx.float32)
+    reference = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    assert entries[0] is None and len(entries) == len(long_prompt)
+    for j, entry in enumerate(entries[1:], start=1):
+        assert entry.token_id == long_prompt[j]
+        assert abs(entry.logprob - reference[j - 1, long_prompt[j]].item()) < TOLERANCE, j
+        assert len(entry.top) == 3
+        for token, value in entry.top:
+            assert abs(value - reference[j - 1, token].item()) < TOLERANCE
+    expected = reference_greedy(pair.target.model, other, 48)
+    assert tokens == expected
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, -1))
+    return [int(token) for token, _ in steps]

@@ -106,10 +106,12 @@ class PackedLayout:
 @dataclass(frozen=True)
 class PrefillSegment:
     """A prompt chunk inside the packed forward: `tokens` continue the request's own cache
-    (one `RaggedKVCache` row per layer, `cache[0].lengths[0]` positions so far)."""
+    (one `RaggedKVCache` row per layer, `cache[0].lengths[0]` positions so far). `full`: the
+    head runs on every one of its positions (prompt logprobs), not only its last."""
 
     tokens: list[int]
     cache: list[RaggedKVCache]
+    full: bool = False
 
     @property
     def offset(self) -> int:
@@ -363,8 +365,9 @@ class PackedVerifier:
 
         With prefill `segments`, `tokens` is the rows' N positions followed by every
         segment's tokens (M in all); each segment's K/V go to its own cache. Logits are then
-        [N + S, V]: the rows' positions, then each segment's last position only (what samples
-        a first token); features cover all N + M positions, segments after the rows."""
+        [N + S', V]: the rows' positions, then each segment's last position only (what samples
+        a first token), or all its positions where it is `full`; features cover all N + M
+        positions, segments after the rows."""
         if list(cache[0].lengths) != list(layout.lengths):
             raise ValueError("layout lengths do not match the cache")
         if any(len(s.cache) != len(cache) or s.cache[0].batch_size != 1 for s in segments):
@@ -392,7 +395,9 @@ class PackedVerifier:
             if i in taps:
                 tapped.append(h[0])
         if idx.segments:  # the head runs on the rows' positions and each segment's last one
-            read = list(range(layout.total)) + [end - 1 for _, end in idx.segments]
+            read = list(range(layout.total))
+            for (start, end), segment in zip(idx.segments, segments):
+                read += range(start, end) if segment.full else [end - 1]
             h = h[:, mx.array(read, dtype=mx.int32)]
         logits = self.target.unembed(self._inner.norm(h))[0]
         features = None

@@ -161,10 +161,16 @@ class _Segment:
     state: _RowState
     logits: mx.array | None = None  # [1, V] at the chunk's last position
     features: mx.array | None = None  # [chunk tokens, F]
+    # [chunk tokens, V] at every position, where the request asked for prompt logprobs
+    all_logits: mx.array | None = None
+
+    @property
+    def full(self) -> bool:
+        return self.state.params.prompt_logprobs is not None
 
     def packed(self) -> PrefillSegment:
         ids = self.state.prompt_ids[self.chunk.start : self.chunk.end]
-        return PrefillSegment(ids, self.state.prefill_cache)
+        return PrefillSegment(ids, self.state.prefill_cache, full=self.full)
 
 
 @dataclass
@@ -374,18 +380,11 @@ class ModelRunner:
     ) -> tuple[list[_Segment], list[PrefillChunk]]:
         """(chunks that ride in the rows' packed forward, chunks prefilled apart). Riding
         needs rows decoding in a forward of this step (`rows_forward`: not one computed
-        ahead) and the packed forward; prompt logprobs need every position's logits, so
-        those chunks go apart."""
+        ahead) and the packed forward (which runs the head on every position of a chunk
+        whose request asked for prompt logprobs)."""
         if not (rows_forward and self.rows and self.packed is not None):
             return [], list(chunks)
-        riding, apart = [], []
-        for chunk in chunks:
-            state = self.states[chunk.request_id]
-            if state.params.prompt_logprobs is None:
-                riding.append(_Segment(chunk, state))
-            else:
-                apart.append(chunk)
-        return riding, apart
+        return [_Segment(chunk, self.states[chunk.request_id]) for chunk in chunks], []
 
     def _prefill_apart(self, chunks: list[PrefillChunk], first_tokens: dict[str, mx.array]) -> None:
         """Prefill chunks in forwards of their own (no decoding rows to ride with, a target
@@ -415,6 +414,9 @@ class ModelRunner:
         state = segment.state
         if segment.features is not None:
             state.prefill_features.append(segment.features)
+        if segment.all_logits is not None:
+            chunk = segment.chunk
+            self._prompt_logprobs_of(state, segment.all_logits, chunk.start, chunk.end, chunk.last)
         if segment.chunk.last:
             self._first_token(state, segment.logits, first_tokens)
 
@@ -721,12 +723,18 @@ class ModelRunner:
     @staticmethod
     def _segment_outputs(segments: list[_Segment], rows_total: int, logits: mx.array,
                          features: mx.array | None) -> None:  # fmt: skip
-        """Each riding segment's last logits and features, read from the packed outputs
-        (logits: the rows' positions, then one per segment; features: every position)."""
-        start = rows_total
-        for s, segment in enumerate(segments):
+        """Each riding segment's last logits (and all of them where it is `full`) and its
+        features, read from the packed outputs (logits: the rows' positions, then one per
+        segment, or all of a full one's; features: every position)."""
+        start, read = rows_total, rows_total
+        for segment in segments:
             n = segment.chunk.end - segment.chunk.start
-            segment.logits = logits[rows_total + s : rows_total + s + 1]
+            if segment.full:
+                segment.all_logits = logits[read : read + n]
+                read += n
+            else:
+                read += 1
+            segment.logits = logits[read - 1 : read]
             if features is not None:
                 segment.features = features[start : start + n]
             start += n

@@ -30,7 +30,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     prefix_share_in_flight: bool = True
     # Hand every leaving request's tapped target features out in its step's result
     # (`StepResult.released_features`, read by a step hook): drafter training data made as it
-    # is generated (`drafters.dflash.datagen --features-dir`). Needs DFlash served (the
+    # is generated (`build --stages data --keep-features`). Needs DFlash served (the
     # drafter sets the taps); one process only.
     keep_features: bool = False
     # None: the adaptive depth controller; a number: that fixed depth for everyone (0 = off)

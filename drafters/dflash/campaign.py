@@ -257,7 +257,7 @@ class Trainer:
             self.cache_root / "features",
             self.target_name,
             top_k=self.recipe.top_k,
-            # records whose features data generation kept (`datagen --features-dir`)
+            # records whose features data generation kept (`build --stages data --keep-features`)
             sidecar=FeatureSidecar(
                 self.cache_root / SIDECAR_DIR,
                 self.target_name,

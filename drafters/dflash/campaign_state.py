@@ -30,21 +30,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFTER_DIR = REPO_ROOT / "engine" / "models" / "smollm2_drafter"
 CACHE_ROOT = Path.home() / ".cache" / "flashbatch" / "campaign"
+SIDECAR_DIR = "sidecar"  # under a target's cache folder (`sidecar_dir`)
+WEIGHTS_FILE = "model.safetensors"
+VOCAB_FILE = "draft_vocab.safetensors"
+STATE_FILE = "training/state.json"
+SITTINGS_FILE = "training/sittings.json"
 
 
 def sidecar_dir(target: str, cache_root: Path = CACHE_ROOT) -> Path:
     """Where data generation keeps records' features for the campaign's feature pass
     (`features.FeatureSidecar`): derived data, recomputed by that pass wherever it is lost."""
     return cache_root / Path(target).name / SIDECAR_DIR
-
-
-SIDECAR_DIR = "sidecar"  # under a target's cache folder
-
-
-WEIGHTS_FILE = "model.safetensors"
-VOCAB_FILE = "draft_vocab.safetensors"
-STATE_FILE = "training/state.json"
-SITTINGS_FILE = "training/sittings.json"
 
 
 # =================================================================== recipe and cursor

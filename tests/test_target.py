@@ -82,7 +82,7 @@ def test_hidden_states_then_head_equal_the_forward(target_dir):
 def test_a_prompt_chunk_runs_the_head_on_one_position_per_row(qwen3_target_dir):
     """Prefill (one chunk, short prompts together, and chunks riding in a decoding step's
     packed forward) unembeds one position per prompt, not every prompt token, unless the
-    request asks for prompt logprobs."""
+    request asks for prompt logprobs (then every position of its chunk, riding too)."""
     from engine.step.runner import ModelRunner
     from engine.step.sampling import SamplingParams
     from scheduler.plan import Admission, PrefillChunk, StepPlan
@@ -117,7 +117,7 @@ def test_a_prompt_chunk_runs_the_head_on_one_position_per_row(qwen3_target_dir):
     assert shapes == [(1, 3, 64)] and set(result.first_tokens) == {"e", "f"}
     assert set(result.outcomes) == {"a"}
     prefill(runner, {"d": [5, 6, 7, 8, 9, 10, 11]}, prompt_logprobs=1, decoding=["a", "e", "f"])
-    assert (1, 7, 64) in shapes  # apart, every position; the rows' step is a forward of its own
+    assert shapes == [(1, 3 + 7, 64)]  # riding: the rows' 3 positions and every one of d's
 
 
 # Beyond llama/qwen2/qwen3 (`engine.step.target.HEAD_SEPARABLE_MODULES`): the tiny configs of

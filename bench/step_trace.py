@@ -1,6 +1,7 @@
 """Where an engine's time goes under a serving load: every step, by kind, without HTTP.
 
-    python bench/step_trace.py --target bundled --policy adaptive [--requests 64] [--trace]
+    python bench/step_trace.py --target bundled --policy adaptive [--sources lookup]
+        [--requests 64] [--trace]
 
 Runs `--requests` prompts of a workload (default: the `bench serve` load, raw-code completion
 prompts, 32 in flight, 64 tokens each, greedy) through one `AsyncEngine` after a two-request
@@ -23,6 +24,7 @@ import statistics
 import time
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine.models.resolve import default_drafter
 
 
 def _kind(result) -> str:
@@ -31,11 +33,15 @@ def _kind(result) -> str:
 
 
 async def run(args: argparse.Namespace) -> None:
-    from bench.suite import workload_texts
+    from bench.suite import cell_prompts
 
-    texts = workload_texts(args.workload)
     cache = {} if args.prefix_cache else {"prefix_cache_bytes": 0}  # 0: as `bench run`
-    config = EngineConfig(target=args.target, drafting_guard=args.policy != "unguarded", **cache)
+    sources = {} if args.sources is None else {"draft_sources": args.sources.split(",")}
+    drafter = default_drafter(args.target)  # what `bench run` serves: the shipped drafter
+    config = EngineConfig(
+        target=args.target, drafter=str(drafter) if drafter else None,
+        drafting_guard=args.policy != "unguarded", **sources, **cache,
+    )  # fmt: skip
     if args.policy == "off":
         config = EngineConfig(
             target=args.target, num_speculative_tokens=0, draft_sources=[], **cache
@@ -45,6 +51,12 @@ async def run(args: argparse.Namespace) -> None:
         eng.step_hooks.append(steps.append)
         if args.trace:
             eng.step_hooks.append(lambda r: print(_trace_line(r, eng)))
+        # The prompts `bench run` sends: the bundled workloads on the bundled pair, the
+        # chat-model mix on a real target, each cut to its last --max-prompt-tokens.
+        prompt_set = "bundled" if args.target == "bundled" else "mix"
+        texts = cell_prompts(
+            eng.tokenizer, args.workload, args.requests, args.max_prompt_tokens, prompt_set
+        )
         gate = asyncio.Semaphore(args.concurrency)
         params = SamplingParams(
             temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True
@@ -99,11 +111,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="bundled")
     parser.add_argument("--policy", choices=["adaptive", "unguarded", "off"], default="adaptive")
+    parser.add_argument(
+        "--sources", default=None, help="draft sources, e.g. lookup (default: all served)"
+    )
     parser.add_argument("--workload", default="completion", help="completion, editing, prose")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-prompt-tokens", type=int, default=None)
     parser.add_argument("--trace", action="store_true")
     parser.add_argument(
         "--prefix-cache", action=argparse.BooleanOptionalAction, default=True,

@@ -307,9 +307,12 @@ class ModelRunner:
             self._discard(lookahead)
             discarded_seconds = lookahead.build_seconds + lookahead.eval_seconds
         # Prefill chunks ride in the rows' packed forward where they can (one forward, not
-        # one per join); the rest run on their own first.
-        riding, apart = self._split_prefills(plan.prefills, rows_forward=decode is None)
-        self._prefill_apart(apart, first_tokens)
+        # one per join); else they run on their own first.
+        riding: list[_Segment] = []
+        if self._chunks_ride(rows_forward=decode is None):
+            riding = [_Segment(c, self.states[c.request_id]) for c in plan.prefills]
+        else:
+            self._prefill_apart(plan.prefills, first_tokens)
         if decode is None and self.rows:
             decode = self._decode(plan.depths, plan.sources, segments=riding)
         for segment in riding:
@@ -375,16 +378,12 @@ class ModelRunner:
         result.memory_peak = mx.get_peak_memory()
         return result
 
-    def _split_prefills(
-        self, chunks: list[PrefillChunk], rows_forward: bool
-    ) -> tuple[list[_Segment], list[PrefillChunk]]:
-        """(chunks that ride in the rows' packed forward, chunks prefilled apart). Riding
-        needs rows decoding in a forward of this step (`rows_forward`: not one computed
-        ahead) and the packed forward (which runs the head on every position of a chunk
-        whose request asked for prompt logprobs)."""
-        if not (rows_forward and self.rows and self.packed is not None):
-            return [], list(chunks)
-        return [_Segment(chunk, self.states[chunk.request_id]) for chunk in chunks], []
+    def _chunks_ride(self, rows_forward: bool) -> bool:
+        """Whether the step's prefill chunks ride in the rows' packed forward (all of them) or
+        are prefilled apart (all of them). Riding needs rows decoding in a forward of this
+        step (`rows_forward`: not one computed ahead) and the packed forward (which runs the
+        head on every position of a chunk whose request asked for prompt logprobs)."""
+        return rows_forward and bool(self.rows) and self.packed is not None
 
     def _prefill_apart(self, chunks: list[PrefillChunk], first_tokens: dict[str, mx.array]) -> None:
         """Prefill chunks in forwards of their own (no decoding rows to ride with, a target
@@ -1066,7 +1065,7 @@ class ModelRunner:
             state = self.states.get(request_id)
             if state is None:
                 continue
-            if self.keep_features and self._logs_features:
+            if self.keep_features:  # (a row without a drafter logged nothing to release)
                 self._release_features(state)
             del self.states[request_id]
             leaving.add(request_id)

@@ -506,6 +506,9 @@ class AdaptiveDepthPolicy:
         # Probe backoff per source: lookup drafting on some steps must not keep resetting the
         # cadence at which a parked DFlash is re-tried (nor the other way round).
         self._probe_interval = {DFLASH: PROBE_START, LOOKUP: PROBE_START}
+        # The sources a new request resets the backoff of (it may accept what its
+        # predecessors did not): lookup's, where the request has a match; DFlash's too here.
+        self.probe_on_arrival: tuple[str, ...] = (LOOKUP,)
         self._idle = {DFLASH: 0, LOOKUP: 0}  # steps since the source last drafted any row
         self._steps_parked = 0
         self._probing: str | None = None  # the source the step just chosen probes
@@ -602,8 +605,9 @@ class AdaptiveDepthPolicy:
         # with a match resets lookup's backoff (earned by its predecessors), so it is tried as
         # soon as the budget floor allows, its row first (`_probe_rows`). DFlash keeps its
         # backoff: its probe pays a drafter forward and the prompt's catch-up (README, "probes").
-        if any(LOOKUP in caps[rid] for rid in arrived):
-            self._probe_interval[LOOKUP] = PROBE_START
+        for source in self.probe_on_arrival:
+            if any(source in caps[rid] for rid in arrived):
+                self._probe_interval[source] = PROBE_START
         self._usable = {s for cap in caps.values() for s in cap}
         self._probed_sources |= self._usable
         max_depth = max((c for cap in caps.values() for c in cap.values()), default=0)

@@ -265,3 +265,28 @@ def test_a_new_request_is_probed_early_whatever_earlier_requests_taught(seed):
     first_lookup = next(i for i, (_, sources, _) in enumerate(history) if sources.get("q12"))
     assert first_lookup < 8, first_lookup  # FIRST_PROBE_STEPS
     assert sum(1 for _, sources, _ in history if sources.get("q12") == LOOKUP) >= 20
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_probe_on_arrival_can_reset_dflash_backoff_too(seed):
+    """`probe_on_arrival` with DFlash: after twelve requests whose DFlash drafts were nearly
+    always rejected (its backoff grown), a request whose drafts are accepted is probed by
+    DFlash within its first steps and drafts from it for most of the rest. (The shipped
+    rule resets lookup's backoff only: bench/results/2026-12-07f/dflash-arrival-probe.)"""
+    acceptance: dict[tuple[str, str], list[float]] = {}
+    sim = TwoSourceSimulator(acceptance, set(), lambda b, w: 0.05 + 0.005 * w, 0.004,
+                             seed=seed, packed=True)  # fmt: skip
+    policy = sim.policy()
+    assert policy.probe_on_arrival == (LOOKUP,)
+    policy.probe_on_arrival = (LOOKUP, DFLASH)
+    for n in range(13):
+        rid = f"q{n}"
+        acceptance[(rid, DFLASH)] = [0.9 if n == 12 else 0.03] * 15
+        acceptance[(rid, LOOKUP)] = [0.03] * 15
+        params = SamplingParams(max_tokens=10**6)
+        history = run(sim, policy, [Request(rid, [1, 2, 3], params, StopChecker(params))], 40)
+        if n == 11:
+            assert policy.state()["probe_interval"][DFLASH] > 8  # backed off by now
+    first = next(i for i, (_, sources, _) in enumerate(history) if sources.get("q12"))
+    assert first < 8, first
+    assert sum(1 for _, sources, _ in history if sources.get("q12") == DFLASH) >= 20

@@ -127,6 +127,24 @@ def paired_cells(
     return out
 
 
+def pair_rows(
+    results: dict[str, Any], pairs: Sequence[tuple[str, str]], threshold: float = 0.97
+) -> list[str]:
+    """Markdown rows ``| numerator / denominator | workload | T | c | ratio [interval] |
+    verdict |``, one per cell of each (numerator, denominator) pair of engine names: the
+    pairs the bench's own table leaves out (say the hybrid against lookup alone)."""
+    lines = []
+    for numerator, denominator in pairs:
+        for (workload, temperature, c), pair, _ in sorted(
+            paired_cells(results, numerator, denominator)
+        ):
+            text = pair.text() if pair else "-"
+            verdict = pair.verdict(threshold) if pair else "-"
+            name = f"{numerator} / {denominator}"
+            lines.append(f"| {name} | {workload} | {temperature:g} | {c} | {text} | {verdict} |")
+    return lines
+
+
 def aims_table(results: dict[str, Any], threshold: float = 0.97) -> list[str]:
     """Markdown: flashbatch adaptive / drafting off and drafting off / best mlx-lm per cell,
     paired by round, with 90% intervals and verdicts against `threshold`, and a tally."""

@@ -8,7 +8,15 @@ import statistics
 
 import pytest
 
-from bench.paired import ABOVE, BELOW, UNDECIDED, aims_table, paired_ratio, t_quantile
+from bench.paired import (
+    ABOVE,
+    BELOW,
+    UNDECIDED,
+    aims_table,
+    pair_rows,
+    paired_ratio,
+    t_quantile,
+)
 from bench.report import markdown_report
 from engine import cli
 
@@ -91,3 +99,15 @@ def test_without_both_engines_there_is_no_paired_section():
     results = _results()
     results["rows"] = [r for r in results["rows"] if r["engine"] == "flashbatch adaptive"]
     assert aims_table(results) == []
+
+
+def test_pair_rows_name_each_pair_cell_by_cell_and_dash_a_missing_partner():
+    results = _results()
+    pair = [("flashbatch adaptive", "flashbatch off")]
+    name = "| flashbatch adaptive / flashbatch off | prose | 0 "
+    assert pair_rows(results, pair) == [
+        name + "| 1 | 1.20 [1.20, 1.20] | at or above |",
+        name + "| 8 | 0.90 [0.90, 0.90] | below |",
+    ]
+    results["rows"] = [r for r in results["rows"] if r["engine"] != "flashbatch off"]
+    assert pair_rows(results, pair) == [name + "| 1 | - | - |", name + "| 8 | - | - |"]

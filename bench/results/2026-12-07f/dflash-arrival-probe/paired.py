@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.paired import paired_cells
+from bench.paired import pair_rows
 
 results = json.loads((Path(sys.argv[1]) / "results.json").read_text())
 pairs = (
@@ -15,11 +15,4 @@ pairs = (
     ("flashbatch adaptive arrival", "flashbatch adaptive lookup"),
     ("flashbatch adaptive", "flashbatch adaptive lookup"),
 )
-for numerator, denominator in pairs:
-    for (workload, temperature, c), pair, _ in sorted(
-        paired_cells(results, numerator, denominator)
-    ):
-        text = pair.text() if pair else "-"
-        verdict = pair.verdict(0.97) if pair else "-"
-        name = f"{numerator} / {denominator}"
-        print(f"| {name} | {workload} | {temperature:g} | {c} | {text} | {verdict} |")
+print("\n".join(pair_rows(results, pairs)))

@@ -729,6 +729,11 @@ def test_tau_projection_fits_tau_against_log_labels():
     assert "| chat | 2.5 | -0.500 | not rising | - |" in text
     one_eval = tau_projection(sittings[:2], campaign_state.State(step=100, labels_seen=1000))
     assert "Two evals" in one_eval[-1]
+    # A rejected eval (the gate restored the committed checkpoint) is no point of the curve.
+    rejected = {"stage": "eval", "step": 200, "kept": False,
+                "tau": {"editing": 1.9, "completion": 1.9, "chat": 1.0}}  # fmt: skip
+    again = "\n".join(tau_projection(sittings[:3] + [rejected] + sittings[3:], state))
+    assert again.count("| 2,000 |") == 1 and again == text
 
 
 # ------------------------------------------------------------------ offline tau

@@ -45,7 +45,10 @@ def tau_projection(
     and `field="tau_loop"` every eval-set measure), a straight line through tau against
     log(labels) per kind, and the labels and sittings each aim needs at it. Crude by design:
     a handful of noisy points, and learning curves bend."""
-    evals = [s for s in sittings if s.get("stage") == stage and s.get(field)]
+    evals = [
+        s for s in sittings
+        if s.get("stage") == stage and s.get(field) and s.get("kept", True)  # not a rejected one
+    ]  # fmt: skip
     points = [
         (s.get("labels_seen") or _labels_at(s["step"], sittings, state), s[field]) for s in evals
     ]
